@@ -1,0 +1,1 @@
+"""Helpers every tessera service imports: flags, logging, model lookup, gRPC serving."""

@@ -1,0 +1,55 @@
+"""Command-line flags with environment-variable fallbacks.
+
+Every flag `--foo-bar` of service `svc` also reads `TESSERA_FOO_BAR` (the env
+name is given explicitly so compose, k8s and the README share one spelling).
+Precedence: command line > environment > default.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable
+
+
+def _parse_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
+
+
+def add_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    env: str,
+    default: Any = None,
+    type: Callable[[str], Any] = str,
+    help: str = "",
+    choices: list[Any] | None = None,
+) -> None:
+    """Add `flag` whose default comes from environment variable `env` when set."""
+    if type is bool:
+        type = _parse_bool
+    raw = os.environ.get(env)
+    if raw is not None and raw != "":
+        try:
+            default = type(raw)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"environment variable {env}={raw!r} is invalid: {exc}")
+    parser.add_argument(
+        flag,
+        default=default,
+        type=type,
+        choices=choices,
+        help=f"{help} [env {env}; default {default!r}]",
+    )
+
+
+def add_common_flags(parser: argparse.ArgumentParser, default_port: int, port_env: str) -> None:
+    """Flags every service has: bind host, port, log level."""
+    add_flag(parser, "--host", "TESSERA_BIND_HOST", "0.0.0.0", help="address to bind")
+    add_flag(parser, "--port", port_env, default_port, type=int, help="gRPC port")
+    add_flag(parser, "--log-level", "TESSERA_LOG_LEVEL", "INFO", help="log level",
+             choices=["DEBUG", "INFO", "WARNING", "ERROR"])

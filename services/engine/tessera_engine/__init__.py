@@ -1,0 +1,1 @@
+"""tessera engine core: the seed's EngineCore (scheduler + executor) and its gRPC server."""

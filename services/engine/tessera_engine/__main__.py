@@ -1,0 +1,3 @@
+from tessera_engine.server import main
+
+main()

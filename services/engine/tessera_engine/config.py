@@ -1,0 +1,52 @@
+"""EngineConfig: everything the engine core is built from (model, cache, scheduler, device)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    # model
+    model: str | None = None          # HF directory or GGUF file; None = the embedded default
+    dtype: str = "auto"                # auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16
+    device: str = "auto"               # auto (cuda when present), cpu, cuda
+    max_model_len: int | None = None   # default: the model's max_position_embeddings
+    # cache
+    block_size: int = 16
+    kv_cache_gib: float = 1.0          # CPU: KV cache memory budget
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of free memory for the KV cache
+    num_kv_blocks: int | None = None   # explicit pool size (overrides the budgets; tests)
+    enable_prefix_caching: bool = True
+    # scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"    # fcfs or priority
+    # misc
+    seed: int = 0
+    num_threads: int | None = None     # torch CPU threads; None = torch's default
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {self.dtype!r}") from None
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")

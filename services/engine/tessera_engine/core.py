@@ -1,0 +1,251 @@
+"""EngineCore (the seed's): a Scheduler and an Executor, stepped by a run loop.
+
+EngineCore is synchronous and has no gRPC in it: tests and benchmarks drive it
+in-process with add_request / step. EngineCoreLoop runs it on its own thread:
+each iteration takes in new requests and aborts, schedules, executes and hands
+the step's outputs to a callback (the gRPC server's fan-out), so a slow client
+never blocks a step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from tessera_engine.config import EngineConfig
+from tessera_engine.executor import Executor
+from tessera_engine.kv_cache import KVCacheManager
+from tessera_engine.request import EngineCoreRequest, Request, RequestStatus
+from tessera_engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(Exception):
+    """A request the engine refuses; code is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class EngineCoreOutput:
+    """One sample's progress in one step (maps onto tessera.v1.RequestOutput)."""
+    request_id: str
+    index: int
+    client_id: str
+    new_token_ids: list[int]
+    logprobs: list[tuple] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None  # stop, length, abort, error
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: tuple[str, str] | None = None  # (code, message)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    kv_cache_usage: float
+
+
+_FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+           RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.executor = Executor(config)
+        self.max_model_len = self.executor.max_model_len
+        self.model_name = self.executor.model_name
+        self.vocab_size = self.executor.hf_config.vocab_size
+        eos = getattr(self.executor.hf_config, "eos_token_id", None)
+        self.default_eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
+                                       config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
+        self.step_count = 0
+
+    # -- intake ----------------------------------------------------------------
+    def check_request(self, req: EngineCoreRequest) -> None:
+        """Raise RequestRejected when the request cannot run here."""
+        p = req.sampling_params
+        try:
+            p.validate()
+        except ValueError as exc:
+            raise RequestRejected("INVALID_ARGUMENT", str(exc)) from None
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected("INVALID_ARGUMENT",
+                                  f"prompt_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if n + p.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                "INVALID_ARGUMENT",
+                f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds max_model_len ({self.max_model_len})")
+        needed = -(-(n + p.max_tokens) // self.config.block_size)
+        if needed > self.kv_cache.num_blocks:
+            raise RequestRejected(
+                "RESOURCE_EXHAUSTED",
+                f"request needs {needed} KV blocks but the cache has only {self.kv_cache.num_blocks}")
+        if any((req.request_id, i) in self.scheduler.requests for i in range(p.n)):
+            raise RequestRejected("ALREADY_EXISTS", f"request_id {req.request_id!r} is already running")
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.check_request(req)
+        eos = req.eos_token_ids or self.default_eos
+        for i in range(req.sampling_params.n):
+            self.scheduler.add_request(Request(req, i, eos))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        wanted = set(request_ids)
+        outs = []
+        for key, req in list(self.scheduler.requests.items()):
+            if key[0] in wanted:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                outs.append(self._output(req, []))
+        return outs
+
+    def abort_client(self, client_id: str) -> list[EngineCoreOutput]:
+        ids = {r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id}
+        return self.abort_requests(list(ids))
+
+    # -- the step --------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        result = self.executor.execute_model(sched)
+        for key, entries in result.prompt_logprobs.items():
+            self.scheduler.requests[key].prompt_logprobs.extend(entries)
+        self.scheduler.update_after_step(sched, result.sampled)
+        self.step_count += 1
+        outs = []
+        for s in sched.scheduled:
+            req = s.request
+            token = result.sampled.get(req.key)
+            if token is None:
+                continue
+            out = self._output(req, [token])
+            lp = result.logprobs.get(req.key)
+            if lp is not None:
+                out.logprobs = [lp]
+            if not req.prompt_logprobs_done:
+                out.prompt_logprobs = req.prompt_logprobs
+                req.prompt_logprobs_done = True
+            outs.append(out)
+        return outs
+
+    def _output(self, req: Request, tokens: list[int]) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=req.request_id, index=req.index, client_id=req.client_id,
+            new_token_ids=tokens, finish_reason=_FINISH.get(req.status),
+            stop_token_id=req.stop_token_id, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache.stats()
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.num_blocks,
+                           kv.num_free_blocks, kv.prefix_cache_queries, kv.prefix_cache_hits,
+                           self.scheduler.num_preemptions, kv.usage)
+
+    # -- in-process convenience (tests, benchmarks) -------------------------------
+    def generate(self, requests: list[EngineCoreRequest]) -> dict[tuple, list[int]]:
+        """Run the given requests to completion; returns (request_id, index) -> output token ids."""
+        for r in requests:
+            self.add_request(r)
+        tokens: dict[tuple, list[int]] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        return tokens
+
+
+OutputCallback = Callable[[int, list[EngineCoreOutput], EngineStats], None]
+
+
+class EngineCoreLoop:
+    """Runs EngineCore.run_loop on its own thread; other threads talk to it through a queue."""
+
+    def __init__(self, core: EngineCore, on_outputs: OutputCallback) -> None:
+        self.core = core
+        self.on_outputs = on_outputs
+        self.inputs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self.run_loop, name="engine-core", daemon=True)
+        self.stopped = False
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive() and self.error is None
+
+    def add(self, req: EngineCoreRequest) -> None:
+        self.inputs.put(("add", req))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.inputs.put(("abort", request_ids))
+
+    def abort_client(self, client_id: str) -> None:
+        self.inputs.put(("abort_client", client_id))
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.inputs.put(("stop", None))
+
+    def _handle(self, kind: str, arg, outs: list[EngineCoreOutput]) -> None:
+        if kind == "add":
+            try:
+                self.core.add_request(arg)
+            except RequestRejected as exc:
+                outs.append(EngineCoreOutput(arg.request_id, 0, arg.client_id, [], finish_reason="error",
+                                             num_prompt_tokens=len(arg.prompt_token_ids),
+                                             error=(exc.code, exc.message)))
+        elif kind == "abort":
+            outs.extend(self.core.abort_requests(arg))
+        elif kind == "abort_client":
+            self.core.abort_client(arg)
+
+    def run_loop(self) -> None:
+        """receive → add → schedule → execute → emit, until stopped."""
+        try:
+            while not self.stopped:
+                outs: list[EngineCoreOutput] = []
+                # block for input only when there is nothing to run
+                block = not self.core.has_unfinished()
+                while True:
+                    try:
+                        kind, arg = self.inputs.get(block=block, timeout=None if block else 0)
+                    except queue.Empty:
+                        break
+                    if kind == "stop":
+                        return
+                    self._handle(kind, arg, outs)
+                    block = False
+                outs.extend(self.core.step())
+                if outs:
+                    self.on_outputs(self.core.step_count, outs, self.core.stats())
+        except BaseException as exc:  # the loop dying must be visible to health checks
+            self.error = exc
+            log.exception("engine core loop died")
+            raise

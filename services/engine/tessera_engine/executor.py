@@ -1,0 +1,47 @@
+"""Executor: runs the model runner. One process today (vLLM's UniProcExecutor);
+a multi-process or tensor-parallel executor would keep this interface."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tessera_engine.config import EngineConfig
+from tessera_engine.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_block
+from tessera_engine.models.loader import load_model
+from tessera_engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        torch.manual_seed(config.seed)
+        self.model, self.hf_config, self.model_name, self.max_model_len = load_model(
+            config.model, config.block_size, config.max_model_len, self.dtype, self.device)
+        self.num_blocks = self._num_blocks(config)
+        self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size,
+                                  self.dtype, self.device)
+        self.runner.sampler.seed(config.seed)
+        log.info("kv cache allocated", extra={"num_blocks": self.num_blocks, "block_size": config.block_size})
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(self.hf_config, config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = free * config.gpu_memory_utilization
+        else:
+            budget = config.kv_cache_gib * (1 << 30)
+        return max(1, int(budget // per_block))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(sched)
+
+
+Executor = UniProcExecutor

@@ -1,0 +1,185 @@
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks, per-request block
+tables grown on demand, and a hash-chained prefix cache with LRU eviction.
+
+A full block is identified by hash((parent block's hash, its token ids)), so a
+block hash names the whole prefix up to and including that block. Blocks whose
+reference count drops to zero go to the back of the free queue but keep their
+hash, so a later request with the same prefix can take them back; allocation
+takes from the front of the queue, evicting the least recently freed first.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from tessera_engine.request import Request
+
+
+@dataclasses.dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+@dataclasses.dataclass
+class KVCacheStats:
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int     # tokens found cached
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (front = evicted first). dict keeps insertion order.
+        self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.req_blocks: dict[tuple, list[int]] = {}
+        self.req_hashes: dict[tuple, list[int]] = {}
+        self.req_num_registered: dict[tuple, int] = {}  # leading blocks already published
+        self.queries = 0
+        self.hits = 0
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(self.num_blocks, self.num_free_blocks, self.queries, self.hits)
+
+    def block_table(self, req: Request) -> list[int]:
+        return self.req_blocks.get(req.key, [])
+
+    # -- prefix cache --------------------------------------------------------
+    def _block_hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """Hashes of the request's full blocks among its first num_tokens tokens (memoized)."""
+        hashes = self.req_hashes.setdefault(req.key, [])
+        bs = self.block_size
+        tokens = req.all_token_ids
+        while (len(hashes) + 1) * bs <= num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def find_cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request about to be scheduled from scratch.
+
+        Returns (block ids, number of tokens they hold). At least one token is
+        always left to compute, since its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_tokens = req.num_tokens - 1
+        hashes = self._block_hashes(req, max_tokens)
+        found: list[int] = []
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found, len(found) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one scheduled lookup (vLLM counts tokens, not blocks)."""
+        if self.enable_prefix_caching:
+            self.queries += num_tokens
+            self.hits += num_hit
+
+    # -- allocation ----------------------------------------------------------
+    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+        """Make room for num_new_tokens more tokens of req (after its computed ones).
+
+        cached_blocks: the prefix found by find_cached_prefix, taken on the first
+        allocation. Returns False, changing nothing, when the pool is short.
+        """
+        table = self.req_blocks.get(req.key)
+        cached_blocks = cached_blocks or []
+        have = (len(table) if table else 0) + len(cached_blocks)
+        num_computed = req.num_computed_tokens if table else len(cached_blocks) * self.block_size
+        need_total = -(-(num_computed + num_new_tokens) // self.block_size)
+        need_new = max(0, need_total - have)
+        # Cached blocks that are free count against the free pool when we take them.
+        reclaim = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
+        if need_new + reclaim > self.num_free_blocks:
+            return False
+        if table is None:
+            table = self.req_blocks[req.key] = []
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+            table.append(block_id)
+        for _ in range(need_new):
+            table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._register_full_blocks(req, num_computed + num_new_tokens)
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block_id
+
+    def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Publish the blocks that will be full after this step under their hashes.
+
+        Their K/V is written in this step's forward pass before any attention
+        reads, so a request scheduled in the same step may already reuse them.
+        """
+        hashes = self._block_hashes(req, num_tokens)
+        table = self.req_blocks[req.key]
+        start = self.req_num_registered.get(req.key, 0)
+        self.req_num_registered[req.key] = len(hashes)
+        for i in range(start, len(hashes)):
+            h = hashes[i]
+            block = self.blocks[table[i]]
+            if block.block_hash is None:
+                if h in self.cached:  # same content already cached in another block
+                    continue
+                block.block_hash = h
+                self.cached[h] = block.block_id
+
+    def free(self, req: Request) -> None:
+        """Release a finished, aborted or preempted request's blocks (tail first)."""
+        table = self.req_blocks.pop(req.key, None)
+        self.req_hashes.pop(req.key, None)
+        self.req_num_registered.pop(req.key, None)
+        if not table:
+            return
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    # Uncached blocks are reused first: they hold nothing worth keeping.
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None

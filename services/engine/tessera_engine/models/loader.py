@@ -1,0 +1,70 @@
+"""Load a Llama-family checkpoint (HF safetensors directory or GGUF file) into torch.
+
+GGUF tensors are dequantized by transformers' GGUF reader (which uses the gguf
+package and undoes llama.cpp's Q/K permutation), so our weights are exactly the
+ones `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` sees.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import torch
+
+from tessera.common.model_source import ModelSource, resolve_model
+from tessera_engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = {"llama", "qwen2", "mistral"}
+
+
+def load_hf_config(src: ModelSource):
+    from transformers import AutoConfig
+
+    if src.gguf_file:
+        return AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    return AutoConfig.from_pretrained(src.directory)
+
+
+def _gguf_state_dict(src: ModelSource, hf_config) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no tqdm bars in structured logs
+
+    with torch.device("meta"):  # only names and shapes are needed for the name map
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    result = load_gguf_checkpoint(str(src.path), return_tensors=True, model_to_load=skeleton)
+    return result["tensors"]
+
+
+def _safetensors_state_dict(directory: pathlib.Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(model: str | None, block_size: int, max_model_len: int | None,
+               dtype: torch.dtype, device: torch.device):
+    """Returns (model in eval mode on device, HF config, model name, max_model_len)."""
+    src = resolve_model(model)
+    hf_config = load_hf_config(src)
+    if hf_config.model_type not in SUPPORTED:
+        raise ValueError(f"model type {hf_config.model_type!r} not supported (supported: {sorted(SUPPORTED)})")
+    max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+    state = _gguf_state_dict(src, hf_config) if src.gguf_file else _safetensors_state_dict(src.directory)
+    net = LlamaForCausalLM(hf_config, block_size, max_len)
+    net.load_hf_state_dict(state)
+    net = net.to(device=device, dtype=dtype).eval()
+    net.requires_grad_(False)
+    log.info("model loaded", extra={"model": src.name, "dtype": str(dtype), "device": str(device),
+                                    "max_model_len": max_len})
+    return net, hf_config, src.name, max_len

@@ -1,0 +1,96 @@
+"""Request: one sequence being generated (the seed's EngineCoreRequest plus its state)."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+import torch
+
+from tessera_engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass
+class EngineCoreRequest:
+    """What a client submits: already tokenized."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.time)
+    eos_token_ids: list[int] | None = None
+    client_id: str = ""  # which session (frontend stream) gets the outputs
+
+
+class Request:
+    """One sample of an EngineCoreRequest; n > 1 makes n of these (index 0..n-1)."""
+
+    def __init__(self, core_req: EngineCoreRequest, index: int, eos_token_ids: list[int]) -> None:
+        self.request_id = core_req.request_id
+        self.index = index
+        self.key = (core_req.request_id, index)
+        self.client_id = core_req.client_id
+        self.prompt_token_ids = list(core_req.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.params = core_req.sampling_params
+        self.priority = core_req.priority
+        self.arrival_time = core_req.arrival_time
+        self.eos_token_ids = set(eos_token_ids)
+        self.stop_token_ids = set(self.params.stop_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served from prefix cache, set on first schedule
+        self.status = RequestStatus.WAITING
+        self.stop_token_id: int | None = None
+        self.generator: torch.Generator | None = None  # made by the sampler when seeded
+        self.prompt_logprobs_done = self.params.prompt_logprobs is None
+        self.prompt_logprobs: list = []  # gathered over prefill chunks, sent with the first token
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Update status after a token was appended; True when the request is finished."""
+        last = self.output_token_ids[-1]
+        n_out = len(self.output_token_ids)
+        if n_out >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_token_id = last
+                return True
+        if n_out >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}#{self.index}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

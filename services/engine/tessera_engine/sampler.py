@@ -1,0 +1,150 @@
+"""Batched sampling on the model's device, each row with its own parameters.
+
+Order per row: penalties (repetition on prompt + output, presence and
+frequency on output), min_tokens (stop tokens masked), then greedy argmax or
+temperature → top-k → top-p → min-p → a draw. Draws use the exponential-race
+trick (argmax of p / E, E ~ Exp(1)), where each seeded request draws E from its
+own generator, so its tokens do not depend on what else is in the batch.
+Logprobs are the model's raw log-softmax (as vLLM v1 returns by default).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tessera_engine.request import Request
+
+
+@dataclasses.dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row when asked: (chosen id, logprob, rank), and top-N (ids, logprobs)
+    logprobs: list[tuple | None]
+
+
+def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int):
+    """Log-softmax rows; returns chosen logprob and rank, plus top-N ids and logprobs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen_lp = lp.gather(1, chosen.view(-1, 1)).squeeze(1)
+    rank = (lp > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
+    top_lp, top_ids = lp.topk(num_top, dim=-1) if num_top > 0 else (None, None)
+    return chosen_lp, rank, top_ids, top_lp
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(0)
+
+    def seed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def _generator_for(self, req: Request) -> torch.Generator:
+        """The request's own generator, seeded with seed + sample index on first use."""
+        if req.generator is None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(req.params.seed + req.index)
+        return req.generator
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        if not rows:
+            return
+        V = logits.shape[1]
+        for i in rows:  # few rows use penalties; keep each row's work vectorized
+            r, p = reqs[i], reqs[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(r.all_token_ids, device=logits.device).unique()
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+                counts = torch.zeros(V, device=logits.device, dtype=row.dtype)
+                counts.index_add_(0, torch.tensor(r.output_token_ids, device=logits.device),
+                                  torch.ones(len(r.output_token_ids), device=logits.device, dtype=row.dtype))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_tokens:
+                blocked = set(r.stop_token_ids)
+                if not r.params.ignore_eos:
+                    blocked |= r.eos_token_ids
+                if blocked:
+                    logits[i, list(blocked)] = float("-inf")
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """logits [B, V] for the rows that sample this step, reqs in the same order."""
+        raw = logits
+        logits = logits.float().clone()
+        self._apply_penalties(logits, reqs)
+        self._apply_min_tokens(logits, reqs)
+
+        greedy = [r.params.greedy for r in reqs]
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = logits[idx]
+            params = [reqs[i].params for i in random_rows]
+            temp = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+            sub = sub / temp
+            sub = self._top_k_top_p_min_p(sub, params)
+            probs = torch.softmax(sub, dim=-1)
+            noise = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                    generator=self.generator)
+            for j, i in enumerate(random_rows):
+                if reqs[i].params.seed is not None:
+                    noise[j].exponential_(generator=self._generator_for(reqs[i]))
+            tokens[idx] = (probs / noise).argmax(dim=-1)
+
+        token_list = tokens.tolist()
+        logprobs: list[tuple | None] = [None] * len(reqs)
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if lp_rows:
+            idx = torch.tensor(lp_rows, device=logits.device)
+            n_top = max(reqs[i].params.logprobs for i in lp_rows)
+            chosen_lp, rank, top_ids, top_lp = compute_logprobs(raw[idx], tokens[idx], n_top)
+            chosen_lp, rank = chosen_lp.tolist(), rank.tolist()
+            top_ids = top_ids.tolist() if top_ids is not None else None
+            top_lp = top_lp.tolist() if top_lp is not None else None
+            for j, i in enumerate(lp_rows):
+                k = reqs[i].params.logprobs
+                logprobs[i] = (token_list[i], chosen_lp[j], rank[j],
+                               top_ids[j][:k] if k else [], top_lp[j][:k] if k else [])
+        return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _top_k_top_p_min_p(logits: torch.Tensor, params) -> torch.Tensor:
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        V = logits.shape[1]
+        neg = float("-inf")
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            if any(k > 0 for k in top_k):
+                k = torch.tensor([k if k > 0 else V for k in top_k], device=logits.device)
+                keep = torch.arange(V, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
+                sorted_logits = sorted_logits.masked_fill(~keep, neg)
+            if any(p < 1.0 for p in top_p):
+                p = torch.tensor(top_p, device=logits.device).unsqueeze(1)
+                probs = torch.softmax(sorted_logits, dim=-1)
+                # drop a token when the mass before it already reaches top_p (keep at least one)
+                before = probs.cumsum(dim=-1) - probs
+                drop = before >= p
+                drop[:, 0] = False
+                sorted_logits = sorted_logits.masked_fill(drop, neg)
+            logits = torch.full_like(logits, neg).scatter(1, order, sorted_logits)
+        if any(m > 0 for m in min_p):
+            m = torch.tensor(min_p, device=logits.device).unsqueeze(1)
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, neg)
+        return logits

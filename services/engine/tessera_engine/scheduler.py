@@ -1,0 +1,174 @@
+"""Scheduler: decides which requests run in the next step and how many tokens each.
+
+vLLM v1's model: no prefill/decode phases, each request just has tokens
+computed and tokens known; a step serves running requests first, then waiting
+ones, within a token budget (max_num_batched_tokens) and a cap on running
+sequences (max_num_seqs). A prompt larger than the remaining budget is split
+over several steps (chunked prefill). When the KV pool runs dry the
+lowest-priority, latest-arrived running request is preempted: its blocks are
+freed and it goes back to the front of the waiting queue, to be recomputed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from tessera_engine.config import EngineConfig
+from tessera_engine.kv_cache import KVCacheManager
+from tessera_engine.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # position of the first token computed this step (= tokens computed before)
+    block_table: list[int]  # the request's blocks (a live view kept by the KV cache manager)
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    num_batched_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_cache
+        self.max_model_len = max_model_len
+        self.priority = config.scheduling_policy == "priority"
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[tuple, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queues ----------------------------------------------------------------
+    def _order(self, req: Request) -> tuple:
+        return (req.priority, req.arrival_time) if self.priority else (req.arrival_time,)
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.key] = req
+        self._enqueue_waiting(req, front=False)
+
+    def _enqueue_waiting(self, req: Request, front: bool) -> None:
+        if self.priority:
+            # keep waiting sorted by (priority, arrival); preempted ones keep their rank
+            key = self._order(req)
+            i = 0
+            while i < len(self.waiting) and self._order(self.waiting[i]) <= key:
+                i += 1
+            self.waiting.insert(i, req)
+        elif front:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request (finished or aborted) and free its blocks at once."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.key, None)
+
+    # -- scheduling --------------------------------------------------------------
+    def _victim(self) -> Request:
+        if self.priority:
+            return max(self.running, key=self._order)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        if not victim.prompt_logprobs_done:
+            victim.prompt_logprobs = []  # the prompt is recomputed from the start
+        victim.status = RequestStatus.PREEMPTED
+        self._enqueue_waiting(victim, front=True)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        now = time.time()
+
+        # 1. running requests: one decode token each, or the next prefill chunk
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, num_new):
+                victim = self._victim()
+                self._preempt(victim)
+                preempted.append(victim)
+                for s in scheduled:
+                    if s.request is victim:  # priority policy may pick one already scheduled
+                        scheduled.remove(s)
+                        budget += s.num_new_tokens
+                        i -= 1
+                        break
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                                                   self.kv.block_table(req)))
+                budget -= num_new
+                i += 1
+                continue
+            # req itself was preempted; running[i] is now the next request
+
+        # 2. waiting requests, unless this step already had to preempt
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate(req, num_new, cached_blocks):
+                break
+            self.waiting.pop(0)
+            self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_new, num_cached, self.kv.block_table(req)))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
+
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[tuple, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, and retire finished requests."""
+        finished: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.key)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            if req.check_stop(self.max_model_len):
+                self.running.remove(req)
+                self.kv.free(req)
+                self.requests.pop(req.key, None)
+                finished.append(req)
+        return finished

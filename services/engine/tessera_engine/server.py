@@ -1,0 +1,239 @@
+"""gRPC adapter around EngineCoreLoop: the EngineService Session stream, health, reflection, flags.
+
+Each frontend keeps one Session stream open. Requests and aborts arrive on it;
+the core loop's per-step outputs are grouped by session and each session gets
+one EngineStepOutputs message per step. Closing a session aborts its requests.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import signal
+import time
+
+import grpc
+
+from tessera.common.flags import add_common_flags, add_flag
+from tessera.common.grpc_service import CHANNEL_OPTIONS, Health, add_reflection
+from tessera.common.logs import setup_logging
+from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tessera_engine.config import EngineConfig
+from tessera_engine.core import EngineCore, EngineCoreLoop, EngineCoreOutput, EngineStats, RequestRejected
+from tessera_engine.request import EngineCoreRequest
+from tessera_engine.sampling_params import SamplingParams
+
+log = logging.getLogger("tessera.engine")
+
+_FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
+           "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
+           "error": common_pb2.FINISH_REASON_ERROR}
+
+
+def _logprob_entry(entry) -> common_pb2.PositionLogprobs:
+    if entry is None:
+        return common_pb2.PositionLogprobs()
+    token, lp, rank, top_ids, top_lps = entry
+    return common_pb2.PositionLogprobs(
+        chosen=common_pb2.TokenLogprob(token_id=token, logprob=lp, rank=rank),
+        top=[common_pb2.TokenLogprob(token_id=t, logprob=l, rank=r + 1)
+             for r, (t, l) in enumerate(zip(top_ids, top_lps))])
+
+
+def output_to_proto(o: EngineCoreOutput) -> engine_pb2.RequestOutput:
+    msg = engine_pb2.RequestOutput(
+        request_id=o.request_id, index=o.index, new_token_ids=o.new_token_ids,
+        finish_reason=_FINISH[o.finish_reason], num_prompt_tokens=o.num_prompt_tokens,
+        num_cached_tokens=o.num_cached_tokens,
+        logprobs=[_logprob_entry(e) for e in o.logprobs])
+    if o.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(_logprob_entry(e) for e in o.prompt_logprobs)
+    if o.stop_token_id is not None:
+        msg.stop_token_id = o.stop_token_id
+    if o.error is not None:
+        msg.error.code, msg.error.message = o.error
+    return msg
+
+
+def stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
+    return engine_pb2.EngineStats(
+        num_running=s.num_running, num_waiting=s.num_waiting, num_blocks_total=s.num_blocks_total,
+        num_blocks_free=s.num_blocks_free, prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
+        kv_cache_usage=s.kv_cache_usage)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, config: EngineConfig, health: Health) -> None:
+        self.config = config
+        self.health = health
+        self.core: EngineCore | None = None
+        self.loop_runner: EngineCoreLoop | None = None
+        self.sessions: dict[str, asyncio.Queue] = {}
+        self._session_ids = itertools.count()
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+
+    async def load(self) -> None:
+        """Load the model off the event loop, then start the core loop and report SERVING."""
+        self._aio_loop = asyncio.get_running_loop()
+        self.core = await asyncio.to_thread(EngineCore, self.config)
+        self.loop_runner = EngineCoreLoop(self.core, self._on_outputs)
+        self.loop_runner.start()
+        await self.health.set(True)
+        log.info("engine ready", extra={"model": self.core.model_name, "num_blocks": self.core.kv_cache.num_blocks})
+
+    # called on the core thread once per step
+    def _on_outputs(self, step: int, outs: list[EngineCoreOutput], stats: EngineStats) -> None:
+        by_client: dict[str, list[EngineCoreOutput]] = {}
+        for o in outs:
+            by_client.setdefault(o.client_id, []).append(o)
+        self._aio_loop.call_soon_threadsafe(self._deliver, step, by_client, stats)
+
+    def _deliver(self, step: int, by_client: dict, stats: EngineStats) -> None:
+        stats_pb = stats_to_proto(stats)
+        now = time.time()
+        for client_id, outs in by_client.items():
+            q = self.sessions.get(client_id)
+            if q is not None:
+                q.put_nowait(engine_pb2.EngineStepOutputs(
+                    outputs=[output_to_proto(o) for o in outs], step=step, timestamp=now, stats=stats_pb))
+
+    def _ready(self, context) -> bool:
+        return self.loop_runner is not None and self.loop_runner.alive()
+
+    async def Session(self, request_iterator, context):
+        if not self._ready(context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not ready (model loading or loop stopped)")
+        client_id = f"s{next(self._session_ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        self.sessions[client_id] = q
+        log.info("session opened", extra={"session": client_id, "peer": context.peer()})
+
+        async def read_inputs() -> None:
+            async for msg in request_iterator:
+                for pb in msg.add:
+                    self._submit(pb, client_id, q)
+                if msg.abort.request_ids:
+                    self.loop_runner.abort(list(msg.abort.request_ids))
+
+        reader = asyncio.create_task(read_inputs())
+        try:
+            while True:
+                get = asyncio.create_task(q.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    yield get.result()
+                    continue
+                get.cancel()
+                reader.result()  # re-raise a reader failure
+                break  # the client closed its side
+        finally:
+            reader.cancel()
+            self.sessions.pop(client_id, None)
+            self.loop_runner.abort_client(client_id)
+            log.info("session closed", extra={"session": client_id})
+
+    def _submit(self, pb: engine_pb2.EngineRequest, client_id: str, q: asyncio.Queue) -> None:
+        req = EngineCoreRequest(
+            request_id=pb.request_id, prompt_token_ids=list(pb.prompt_token_ids),
+            sampling_params=SamplingParams.from_proto(pb.sampling_params), priority=pb.priority,
+            arrival_time=pb.arrival_time or time.time(), eos_token_ids=list(pb.eos_token_ids) or None,
+            client_id=client_id)
+        try:
+            if not pb.request_id:
+                raise RequestRejected("INVALID_ARGUMENT", "request_id is empty")
+            self.core.check_request(req)
+        except RequestRejected as exc:
+            log.info("request rejected", extra={"request_id": pb.request_id, "code": exc.code, "reason": exc.message})
+            out = EngineCoreOutput(pb.request_id, 0, client_id, [], finish_reason="error",
+                                   num_prompt_tokens=len(req.prompt_token_ids), error=(exc.code, exc.message))
+            q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)], timestamp=time.time()))
+            return
+        log.info("request added", extra={"request_id": pb.request_id, "prompt_tokens": len(req.prompt_token_ids),
+                                         "n": req.sampling_params.n})
+        self.loop_runner.add(req)
+
+    async def GetStats(self, request, context):
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        return stats_to_proto(self.core.stats())
+
+    async def GetInfo(self, request, context):
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        ex = self.core.executor
+        return engine_pb2.EngineInfo(
+            model_name=self.core.model_name, max_model_len=self.core.max_model_len,
+            vocab_size=self.core.vocab_size, device=str(ex.device), dtype=str(ex.dtype).removeprefix("torch."),
+            block_size=self.config.block_size, num_blocks=self.core.kv_cache.num_blocks)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="tessera-engine", description="tessera engine core service")
+    add_common_flags(p, 50053, "TESSERA_ENGINE_PORT")
+    add_flag(p, "--model", "TESSERA_MODEL", None, help="HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
+    add_flag(p, "--device", "TESSERA_DEVICE", "auto", help="auto, cpu or cuda")
+    add_flag(p, "--dtype", "TESSERA_DTYPE", "auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    add_flag(p, "--max-model-len", "TESSERA_MAX_MODEL_LEN", None, type=int, help="max prompt + output tokens")
+    add_flag(p, "--block-size", "TESSERA_BLOCK_SIZE", 16, type=int, help="tokens per KV block")
+    add_flag(p, "--kv-cache-gib", "TESSERA_KV_CACHE_GIB", 1.0, type=float, help="KV cache size on CPU (GiB)")
+    add_flag(p, "--gpu-memory-utilization", "TESSERA_GPU_MEMORY_UTILIZATION", 0.9, type=float,
+             help="fraction of free GPU memory for the KV cache")
+    add_flag(p, "--num-kv-blocks", "TESSERA_NUM_KV_BLOCKS", None, type=int, help="explicit KV pool size in blocks")
+    add_flag(p, "--enable-prefix-caching", "TESSERA_ENABLE_PREFIX_CACHING", True, type=bool, help="reuse cached prefix blocks")
+    add_flag(p, "--max-num-seqs", "TESSERA_MAX_NUM_SEQS", 256, type=int, help="cap on running sequences")
+    add_flag(p, "--max-num-batched-tokens", "TESSERA_MAX_NUM_BATCHED_TOKENS", 2048, type=int, help="token budget per step")
+    add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
+    add_flag(p, "--seed", "TESSERA_SEED", 0, type=int, help="seed of the sampler's shared generator")
+    add_flag(p, "--num-threads", "TESSERA_NUM_THREADS", None, type=int, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
+        seed=args.seed, num_threads=args.num_threads)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
+    config.validate()
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    names = [engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name]
+    health = Health(server, names)
+    servicer = EngineServicer(config, health)
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    add_reflection(server, names)
+    addr = f"{args.host}:{args.port}"
+    server.add_insecure_port(addr)
+    await server.start()
+    await health.set(False)
+    log.info("engine listening", extra={"addr": addr})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    load = asyncio.create_task(servicer.load())
+    await stop.wait()
+    log.info("engine stopping")
+    await health.set(False)
+    load.cancel()
+    await server.stop(grace=2)
+    if servicer.loop_runner:
+        servicer.loop_runner.stop()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup_logging("engine", args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

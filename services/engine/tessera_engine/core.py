@@ -18,6 +18,7 @@ from typing import Callable
 from tessera_engine.config import EngineConfig
 from tessera_engine.executor import Executor
 from tessera_engine.kv_cache import KVCacheManager
+from tessera_engine.models.loader import LoadedModel
 from tessera_engine.request import EngineCoreRequest, Request, RequestStatus
 from tessera_engine.scheduler import Scheduler
 
@@ -66,10 +67,10 @@ _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         config.validate()
         self.config = config
-        self.executor = Executor(config)
+        self.executor = Executor(config, loaded)
         self.max_model_len = self.executor.max_model_len
         self.model_name = self.executor.model_name
         self.vocab_size = self.executor.hf_config.vocab_size

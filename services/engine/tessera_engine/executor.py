@@ -8,21 +8,24 @@ import torch
 
 from tessera_engine.config import EngineConfig
 from tessera_engine.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_block
-from tessera_engine.models.loader import load_model
+from tessera_engine.models.loader import LoadedModel, load_model
 from tessera_engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 
 class UniProcExecutor:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """loaded: an already loaded model to reuse (tests and benchmarks build several
+        engines over one set of weights); it must match config's device, dtype and block size."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         torch.manual_seed(config.seed)
-        self.model, self.hf_config, self.model_name, self.max_model_len = load_model(
-            config.model, config.block_size, config.max_model_len, self.dtype, self.device)
+        if loaded is None:
+            loaded = load_model(config.model, config.block_size, config.max_model_len, self.dtype, self.device)
+        self.model, self.hf_config, self.model_name, self.max_model_len = loaded
         self.num_blocks = self._num_blocks(config)
         self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size,
                                   self.dtype, self.device)

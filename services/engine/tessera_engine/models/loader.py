@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from typing import NamedTuple
 
 import torch
 
@@ -52,9 +53,15 @@ def _safetensors_state_dict(directory: pathlib.Path) -> dict[str, torch.Tensor]:
     return state
 
 
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM  # eval mode, on its device
+    hf_config: object
+    name: str
+    max_model_len: int
+
+
 def load_model(model: str | None, block_size: int, max_model_len: int | None,
-               dtype: torch.dtype, device: torch.device):
-    """Returns (model in eval mode on device, HF config, model name, max_model_len)."""
+               dtype: torch.dtype, device: torch.device) -> LoadedModel:
     src = resolve_model(model)
     hf_config = load_hf_config(src)
     if hf_config.model_type not in SUPPORTED:
@@ -67,4 +74,4 @@ def load_model(model: str | None, block_size: int, max_model_len: int | None,
     net.requires_grad_(False)
     log.info("model loaded", extra={"model": src.name, "dtype": str(dtype), "device": str(device),
                                     "max_model_len": max_len})
-    return net, hf_config, src.name, max_len
+    return LoadedModel(net, hf_config, src.name, max_len)

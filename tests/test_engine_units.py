@@ -1,0 +1,219 @@
+"""Unit tests of the engine's bookkeeping: KV block pool and prefix cache,
+scheduler budget / caps / preemption order, and the sampler's filters."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tessera_engine.config import EngineConfig
+from tessera_engine.kv_cache import KVCacheManager
+from tessera_engine.request import EngineCoreRequest, Request
+from tessera_engine.sampler import Sampler
+from tessera_engine.sampling_params import SamplingParams
+from tessera_engine.scheduler import Scheduler
+
+
+def make_req(rid: str, n_tokens: int, start: int = 0, arrival: float = 0.0, priority: int = 0,
+             **params) -> Request:
+    core = EngineCoreRequest(rid, list(range(start, start + n_tokens)), SamplingParams(**params),
+                             priority=priority, arrival_time=arrival)
+    return Request(core, 0, [2])
+
+
+# -- KV cache ------------------------------------------------------------------------------
+def test_allocate_grows_and_free_returns_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    r = make_req("a", 10)
+    assert kv.allocate(r, 10)
+    assert len(kv.block_table(r)) == 3 and kv.num_free_blocks == 7
+    r.num_computed_tokens = 10
+    r.append_output_token(5)
+    assert kv.allocate(r, 1)  # 11 tokens still fit in 3 blocks
+    assert len(kv.block_table(r)) == 3
+    r.num_computed_tokens = 11
+    for t in (6, 7):
+        r.append_output_token(t)
+    assert kv.allocate(r, 2)  # 13 tokens need a 4th block
+    assert len(kv.block_table(r)) == 4
+    kv.free(r)
+    assert kv.num_free_blocks == 10 and kv.block_table(r) == []
+
+
+def test_allocate_refuses_without_side_effects():
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    a, b = make_req("a", 8), make_req("b", 8)
+    assert kv.allocate(a, 8)
+    assert not kv.allocate(b, 8)
+    assert kv.num_free_blocks == 1 and kv.block_table(b) == []
+
+
+def test_prefix_cache_reuses_full_blocks_and_leaves_one_token():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    a = make_req("a", 12)
+    assert kv.find_cached_prefix(a) == ([], 0)
+    assert kv.allocate(a, 12)
+    # same first 12 tokens plus more: 3 cached blocks
+    b = make_req("b", 15)
+    blocks, n = kv.find_cached_prefix(b)
+    assert n == 12 and blocks == kv.block_table(a)
+    # identical 12-token prompt: only 2 blocks, since one token must be computed
+    c = make_req("c", 12)
+    _, n = kv.find_cached_prefix(c)
+    assert n == 8
+    # a different first block breaks the chain even if later tokens agree
+    d = make_req("d", 12, start=1)
+    assert kv.find_cached_prefix(d)[1] == 0
+
+
+def test_shared_blocks_are_refcounted_and_cached_blocks_evicted_lru():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = make_req("a", 8)
+    kv.allocate(a, 8)
+    b = make_req("b", 9)
+    blocks, n = kv.find_cached_prefix(b)
+    assert kv.allocate(b, 9 - n, blocks)
+    assert kv.block_table(b)[:2] == kv.block_table(a)
+    assert kv.num_free_blocks == 3
+    kv.free(a)
+    assert kv.num_free_blocks == 3  # still held by b
+    kv.free(b)
+    assert kv.num_free_blocks == 6
+    # the cached prefix survives until its blocks are needed
+    assert kv.find_cached_prefix(make_req("c", 9))[1] == 8
+    big = make_req("big", 24, start=100)
+    assert kv.allocate(big, 24)  # takes every block, evicting the cache
+    assert kv.find_cached_prefix(make_req("c2", 9))[1] == 0
+
+
+def test_stats_usage():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv.allocate(make_req("a", 8), 8)
+    assert kv.stats().usage == pytest.approx(0.5)
+
+
+# -- scheduler -------------------------------------------------------------------------------
+def make_scheduler(num_blocks=100, block_size=4, **cfg) -> Scheduler:
+    config = EngineConfig(block_size=block_size, **cfg)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, config.enable_prefix_caching), 1000)
+
+
+def run_step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    sampled = {x.request.key: token for x in out.scheduled if x.samples}
+    s.update_after_step(out, sampled)
+    return out
+
+
+def test_token_budget_chunks_long_prompts():
+    s = make_scheduler(max_num_batched_tokens=10, enable_prefix_caching=False)
+    r = make_req("a", 25, max_tokens=3)
+    s.add_request(r)
+    chunks = [run_step(s).scheduled[0].num_new_tokens for _ in range(3)]
+    assert chunks == [10, 10, 5]
+    assert r.num_output_tokens == 1  # only the last chunk samples
+
+
+def test_running_first_then_waiting_within_budget():
+    s = make_scheduler(max_num_batched_tokens=12, enable_prefix_caching=False)
+    a = make_req("a", 8, max_tokens=5)
+    s.add_request(a)
+    run_step(s)
+    b, c = make_req("b", 8, arrival=1), make_req("c", 8, arrival=2)
+    s.add_request(b)
+    s.add_request(c)
+    out = s.schedule()
+    got = [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
+    assert got == [("a", 1), ("b", 8), ("c", 3)]  # decode first, then prefill, then a chunk
+    assert out.num_batched_tokens == 12
+
+
+def test_max_num_seqs_caps_running():
+    s = make_scheduler(max_num_seqs=2, enable_prefix_caching=False)
+    for i in range(4):
+        s.add_request(make_req(f"r{i}", 4, arrival=i))
+    out = s.schedule()
+    assert len(out.scheduled) == 2 and len(s.waiting) == 2
+
+
+def test_preemption_takes_latest_and_requeues_it_first():
+    s = make_scheduler(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    a, b = make_req("a", 8, arrival=0, max_tokens=20), make_req("b", 8, arrival=1, max_tokens=20)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)  # both prefilled: 4 blocks used, both have 9 tokens, next needs a 3rd block each
+    out = s.schedule()
+    assert [p.request_id for p in out.preempted] == ["b"]
+    assert s.waiting[0] is b and b.num_computed_tokens == 0
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert s.num_preemptions == 1
+
+
+def test_priority_policy_orders_waiting_and_preempts_lowest():
+    s = make_scheduler(max_num_seqs=1, scheduling_policy="priority", enable_prefix_caching=False)
+    s.add_request(make_req("low", 4, arrival=0, priority=5))
+    s.add_request(make_req("high", 4, arrival=1, priority=0))
+    out = s.schedule()
+    assert out.scheduled[0].request.request_id == "high"
+
+
+# -- sampler ---------------------------------------------------------------------------------
+def sample(logits, **params):
+    reqs = [make_req(f"s{i}", 3, **params) for i in range(logits.shape[0])]
+    return Sampler(logits.shape[1], torch.device("cpu"))(logits, reqs)
+
+
+def test_greedy_and_top_k_one():
+    logits = torch.randn(4, 50)
+    assert sample(logits.clone(), temperature=0).token_ids == logits.argmax(-1).tolist()
+    assert sample(logits.clone(), temperature=1.0, top_k=1).token_ids == logits.argmax(-1).tolist()
+
+
+def test_top_p_and_min_p_restrict_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(200, 1)
+    picked = set(sample(logits.clone(), temperature=1.0, top_p=0.7).token_ids)
+    assert picked == {0, 1}
+    picked = set(sample(logits.clone(), temperature=1.0, min_p=0.5).token_ids)
+    assert picked == {0, 1}  # 0.15 < 0.5 * 0.5
+    picked = set(sample(logits.clone(), temperature=1.0).token_ids)
+    assert picked >= {0, 1, 2}
+
+
+def test_penalties_and_min_tokens():
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 5.0
+    logits[0, 2] = 4.0  # the EOS id used by make_req
+    # request tokens are 0,1,2 (prompt): repetition penalty pushes 2 down
+    r = make_req("p", 3, temperature=0, repetition_penalty=10.0)
+    out = Sampler(10, torch.device("cpu"))(logits.clone(), [r])
+    assert out.token_ids == [3]
+    r = make_req("f", 3, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
+    r.append_output_token(3)
+    assert Sampler(10, torch.device("cpu"))(logits.clone(), [r]).token_ids == [2]
+    # min_tokens blocks EOS until reached
+    logits2 = torch.zeros(1, 10)
+    logits2[0, 2] = 9.0
+    r = make_req("m", 3, temperature=0, min_tokens=2, max_tokens=5)
+    assert Sampler(10, torch.device("cpu"))(logits2.clone(), [r]).token_ids != [2]
+
+
+def test_logprobs_are_log_softmax_with_rank():
+    logits = torch.randn(2, 30)
+    out = sample(logits.clone(), temperature=0, logprobs=4)
+    ref = torch.log_softmax(logits, -1)
+    for i in range(2):
+        tok, lp, rank, top_ids, top_lps = out.logprobs[i]
+        assert rank == 1 and math.isclose(lp, ref[i, tok].item(), abs_tol=1e-5)
+        assert top_ids == ref[i].topk(4).indices.tolist()
+
+
+def test_seeded_rows_ignore_batch_mates():
+    logits = torch.randn(1, 100)
+    a = make_req("a", 3, temperature=1.0, seed=5)
+    alone = [Sampler(100, torch.device("cpu"))(logits.clone(), [a]).token_ids[0] for _ in range(1)]
+    b = make_req("b", 3, temperature=1.0, seed=5)
+    batch = torch.cat([torch.randn(3, 100), logits])
+    others = [make_req(f"o{i}", 3, temperature=1.0) for i in range(3)]
+    mixed = Sampler(100, torch.device("cpu"))(batch, others + [b]).token_ids[3]
+    assert alone[0] == mixed

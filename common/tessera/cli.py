@@ -1,0 +1,135 @@
+"""`tessera`: a small command-line client of the frontend.
+
+    tessera generate "Why is the sky blue?" [--addr HOST:PORT] [--max-tokens N]
+                     [--temperature T] [--seed S] [--raw] [--wait SECONDS]
+    tessera health [--addr HOST:PORT] [--wait SECONDS]
+
+`generate` sends the prompt as one user chat message (or as plain text with
+--raw), streams the text to stdout as it arrives, then prints a newline and the
+usage to stderr. gRPC errors are reported on stderr with a non-zero exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tessera.common.flags import add_flag
+from tessera.common.grpc_service import CHANNEL_OPTIONS
+from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
+
+EXIT_RPC_ERROR = 1
+EXIT_NOT_SERVING = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="tessera frontend client")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="stream a completion for a prompt")
+    gen.add_argument("prompt", help="the prompt (a user chat message unless --raw)")
+    gen.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=None, help="0 for greedy")
+    gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as chat")
+
+    health = commands.add_parser("health", help="print the frontend's health status")
+    for sub in (gen, health):
+        add_flag(sub, "--addr", "TESSERA_FRONTEND_ADDR", "localhost:50051", help="frontend address")
+        sub.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                         help="first wait up to this long for the frontend to be SERVING")
+    return parser
+
+
+def health_status(channel: grpc.Channel, timeout: float = 5.0) -> str:
+    """The frontend's overall health status name (SERVING, NOT_SERVING, ...)."""
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def wait_serving(channel: grpc.Channel, seconds: float) -> str:
+    """Poll health until SERVING or `seconds` pass; return the last status (or the last error)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            status = health_status(channel, timeout=2.0)
+        except grpc.RpcError as exc:
+            status = f"{exc.code().name}: {exc.details()}"
+        if status == "SERVING" or time.monotonic() >= deadline:
+            return status
+        time.sleep(0.5)
+
+
+def _request(args: argparse.Namespace) -> frontend_pb2.GenerateRequest:
+    params = common_pb2.SamplingParams()
+    if args.max_tokens is not None:
+        params.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        params.temperature = args.temperature
+    if args.seed is not None:
+        params.seed = args.seed
+    request = frontend_pb2.GenerateRequest(sampling_params=params)
+    if args.raw:
+        request.text = args.prompt
+    else:
+        request.chat.messages.append(tokenizer_pb2.ChatMessage(role="user", content=args.prompt))
+    return request
+
+
+def cmd_generate(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    stub = frontend_pb2_grpc.FrontendServiceStub(channel)
+    call = stub.Generate(_request(args))
+    last = None
+    try:
+        for response in call:
+            if response.text:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+            last = response
+    except KeyboardInterrupt:
+        call.cancel()
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if last is not None:
+        reason = common_pb2.FinishReason.Name(last.finish_reason)
+        stop = f" stop_reason={last.stop_reason!r}" if last.HasField("stop_reason") else ""
+        u = last.usage
+        print(f"[{last.request_id}] finish_reason={reason}{stop} prompt_tokens={u.prompt_tokens} "
+              f"completion_tokens={u.completion_tokens} cached_prompt_tokens={u.cached_prompt_tokens}",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_health(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    status = health_status(channel)
+    print(status)
+    return 0 if status == "SERVING" else EXIT_NOT_SERVING
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    with grpc.insecure_channel(args.addr, options=CHANNEL_OPTIONS) as channel:
+        if args.wait > 0:
+            status = wait_serving(channel, args.wait)
+            if status != "SERVING":
+                print(f"tessera: frontend at {args.addr} not SERVING after {args.wait:g}s ({status})",
+                      file=sys.stderr)
+                return EXIT_NOT_SERVING
+        try:
+            if args.command == "generate":
+                return cmd_generate(args, channel)
+            return cmd_health(args, channel)
+        except grpc.RpcError as exc:
+            print(f"tessera: {args.command} failed: {exc.code().name}: {exc.details()} "
+                  f"(frontend {args.addr})", file=sys.stderr)
+            return EXIT_RPC_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

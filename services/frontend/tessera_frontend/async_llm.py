@@ -1,0 +1,205 @@
+"""AsyncLLM: the frontend's engine facade (the seed's AsyncLLM).
+
+`generate(request_id, prompt, params)` tokenizes the prompt (chat messages through
+the model's chat template), builds the EngineRequest, submits it to a replica and
+yields a `GenerationOutput` per sample per engine step until every sample has
+finished. If the consumer goes away first (the call is cancelled or the generator
+is closed), the request is aborted in the engine and cancelled on the detokenize
+stream. Failures surface as `GenerateError(code, message)`.
+
+Inside, the request runs under an engine request id "<request_id>-<random>": unique
+per attempt (two frontends, or a client reusing its id, never collide in the
+engine), and still greppable by the client's id in every service's logs.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Sequence, Union
+
+import grpc
+
+from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
+from tessera_frontend.engine_client import EngineCoreClient, NoReplicaError
+from tessera_frontend.output_processor import Failure, OutputProcessor, RequestState
+from tessera_frontend.tokenizer_client import TokenizerClient
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's default
+READY_WAIT_S = 3.0  # how long a request waits for the backends before UNAVAILABLE
+
+# Raw text, chat messages (rendered with the chat template), or token ids.
+Prompt = Union[str, tokenizer_pb2.ChatMessages, Sequence[int]]
+
+
+class GenerateError(Exception):
+    """A request failed; `code` is the gRPC status to report."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """New output of one sample (choice) of a request; `usage` is set on the request's last output."""
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.PositionLogprobs]
+    finish_reason: int
+    stop_reason: str | None
+    usage: common_pb2.Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class AsyncLLM:
+    """Tokenizer + engine replicas + output processor behind one generate() call."""
+
+    def __init__(self, tokenizer: TokenizerClient, engine: EngineCoreClient) -> None:
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.processor = OutputProcessor(tokenizer, engine.abort)
+
+    def start(self) -> None:
+        """Start the background tasks: the detokenize stream and one session per engine replica."""
+        self.tokenizer.stream.start()
+        self.engine.start(self.processor.process_step, self._on_engine_lost)
+
+    async def close(self) -> None:
+        await self.engine.close()
+        await self.tokenizer.close()
+
+    @property
+    def ready(self) -> bool:
+        return (self.tokenizer.model_info is not None and self.tokenizer.stream.connected
+                and self.engine.ready)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engines' limit when known, else the tokenizer's."""
+        if self.engine.max_model_len:
+            return self.engine.max_model_len
+        info = self.tokenizer.model_info
+        return info.max_model_len if info and info.max_model_len > 0 else None
+
+    async def generate(self, request_id: str, prompt: Prompt, params: common_pb2.SamplingParams,
+                       priority: int = 0) -> AsyncIterator[GenerationOutput]:
+        arrival = time.time()
+        await self._wait_ready()
+        prompt_ids = await self._tokenize(request_id, prompt)
+        params = _with_defaults(params)
+        self._check_prompt(prompt_ids, params)
+        # The engine and the detokenize stream see a unique id, so a client id that is
+        # reused (even while its previous request is still being aborted) never mixes outputs.
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        n = params.n
+        state = RequestState(engine_id, n, _detokenize_open(params, prompt_ids),
+                             want_token_texts=params.HasField("logprobs"))
+        self.processor.add_request(state)
+        finished = completion_tokens = cached_tokens = 0
+        try:
+            try:
+                replica = self.engine.submit(engine_pb2.EngineRequest(
+                    request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                    priority=priority, arrival_time=arrival,
+                    eos_token_ids=self.tokenizer.model_info.eos_token_ids), n)
+            except NoReplicaError as exc:
+                raise GenerateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,
+                                                 "engine": replica,
+                                                 "prompt_tokens": len(prompt_ids), "n": n,
+                                                 "max_tokens": params.max_tokens})
+            while finished < n:
+                out = await state.queue.get()
+                if out.failure is not None:
+                    raise GenerateError(out.failure.code, out.failure.message)
+                completion_tokens += len(out.token_ids)
+                cached_tokens = max(cached_tokens, out.num_cached_tokens)
+                usage = None
+                if out.finished:
+                    finished += 1
+                    if finished == n:
+                        usage = common_pb2.Usage(prompt_tokens=len(prompt_ids),
+                                                 completion_tokens=completion_tokens,
+                                                 cached_prompt_tokens=cached_tokens)
+                yield GenerationOutput(request_id, out.index, out.text, out.token_ids, out.logprobs,
+                                       out.finish_reason, out.stop_reason, usage)
+        finally:
+            if self.processor.release(engine_id):
+                self.engine.abort([engine_id])
+            log.info("request done" if finished == n else "request ended early",
+                     extra={"request_id": request_id, "completion_tokens": completion_tokens,
+                            "seconds": round(time.time() - arrival, 4)})
+
+    async def _wait_ready(self) -> None:
+        """Ride out a short reconnect (a backend restarting); fail with UNAVAILABLE after READY_WAIT_S."""
+        deadline = time.monotonic() + READY_WAIT_S
+        while not self.ready:
+            if time.monotonic() >= deadline:
+                raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                                    "the frontend is not ready: waiting for the tokenizer and an engine")
+            await asyncio.sleep(0.05)
+
+    async def _tokenize(self, request_id: str, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            request = tokenizer_pb2.TokenizeRequest(text=prompt)
+        elif isinstance(prompt, tokenizer_pb2.ChatMessages):
+            request = tokenizer_pb2.TokenizeRequest(chat=prompt, add_generation_prompt=True)
+        else:
+            return self._checked_ids(list(prompt))
+        try:
+            reply = await self.tokenizer.tokenize(request, request_id)
+        except grpc.aio.AioRpcError as exc:
+            raise GenerateError(exc.code(), f"tokenizer: {exc.details()}") from None
+        return list(reply.token_ids)
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.tokenizer.model_info.vocab_size
+        bad = [t for t in ids if t < 0 or (vocab > 0 and t >= vocab)]
+        if bad:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_prompt(self, prompt_ids: list[int], params: common_pb2.SamplingParams) -> None:
+        if not prompt_ids:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: it has no tokens")
+        limit = self.max_model_len
+        if limit and len(prompt_ids) + params.max_tokens > limit:
+            raise GenerateError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the model's max length ({limit})")
+
+    def _on_engine_lost(self, request_ids: list[str], reason: str) -> None:
+        self.processor.fail(request_ids, Failure(grpc.StatusCode.UNAVAILABLE, reason))
+
+
+def _with_defaults(params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    """A copy with the defaults the frontend owns made explicit (max_tokens, n)."""
+    out = common_pb2.SamplingParams()
+    out.CopyFrom(params)
+    if not out.HasField("max_tokens"):
+        out.max_tokens = DEFAULT_MAX_TOKENS
+    if not out.HasField("n"):
+        out.n = 1
+    return out
+
+
+def _detokenize_open(params: common_pb2.SamplingParams, prompt_ids: list[int]) -> tokenizer_pb2.DetokenizeOpen:
+    open_ = tokenizer_pb2.DetokenizeOpen(stop=params.stop,
+                                         include_stop_str_in_output=params.include_stop_str_in_output,
+                                         prompt_token_ids=prompt_ids)
+    if params.HasField("skip_special_tokens"):
+        open_.skip_special_tokens = params.skip_special_tokens
+    return open_

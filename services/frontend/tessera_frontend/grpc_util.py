@@ -1,0 +1,30 @@
+"""Small gRPC helpers shared by the two backend clients."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+async def is_serving(channel: grpc.aio.Channel, timeout: float = 2.0) -> bool:
+    """True when the service behind `channel` answers SERVING (overall service ""); False otherwise."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def drain(queue: asyncio.Queue) -> AsyncIterator:
+    """Yield the queue's messages until a None arrives: the request side of a streaming call.
+
+    Writers put messages with put_nowait, so submitting never waits on the network.
+    """
+    while True:
+        message = await queue.get()
+        if message is None:
+            return
+        yield message

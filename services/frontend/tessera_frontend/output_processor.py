@@ -1,0 +1,257 @@
+"""Engine step outputs -> per-request outputs (the seed's OutputProcessor).
+
+For each EngineStepOutputs the processor sends the new token ids of every live
+sample in ONE DetokenizeStreamRequest, waits for the tokenizer's reply, and puts a
+`SampleOutput` (text delta, token ids, logprobs, finish reason) on the queue of
+the request it belongs to.
+
+Each of a request's n samples is detokenized separately, under the key
+"<engine request id>#<index>". When the tokenizer reports a matched stop string, the
+sample finishes with STOP and that stop string; its tokens are cut to
+`tokens_consumed`; once every sample of the request is done the request is
+aborted in the engine if the engine is still running any of its samples.
+(AbortRequests has no sample index, so with n > 1 a stopped sample keeps running in
+the engine until its siblings finish; its further tokens are dropped here.)
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Callable, Iterable
+
+import grpc
+
+from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
+from tessera_frontend.tokenizer_client import DetokenizeStreamError, TokenizerClient
+
+log = logging.getLogger(__name__)
+
+RUNNING = common_pb2.FINISH_REASON_UNSPECIFIED
+STOP = common_pb2.FINISH_REASON_STOP
+ABORT = common_pb2.FINISH_REASON_ABORT
+ERROR = common_pb2.FINISH_REASON_ERROR
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """Why a request failed: a gRPC status code and a message for the client."""
+    code: grpc.StatusCode
+    message: str
+
+    @classmethod
+    def from_proto(cls, error: common_pb2.RequestError, default: grpc.StatusCode) -> "Failure":
+        code = getattr(grpc.StatusCode, error.code, None) if error.code else None
+        if not isinstance(code, grpc.StatusCode) or code == grpc.StatusCode.OK:
+            code = default
+        return cls(code, error.message or code.name)
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """What one sample of one request produced in one engine step."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[common_pb2.PositionLogprobs] = dataclasses.field(default_factory=list)
+    finish_reason: int = RUNNING
+    stop_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    failure: Failure | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != RUNNING
+
+
+@dataclasses.dataclass
+class _Sample:
+    """Book-keeping for one of a request's samples."""
+    key: str                     # request id on the detokenize stream
+    opened_in: int | None = None  # detokenize stream generation it was opened on
+    tokenizer_done: bool = False  # the tokenizer has forgotten it (finished, stopped or cancelled)
+    engine_done: bool = False     # the engine has sent its final output
+    done: bool = False            # its final SampleOutput has been delivered
+
+
+class RequestState:
+    """A request the processor delivers outputs for; the consumer reads `queue`."""
+
+    def __init__(self, request_id: str, n: int, detokenize_open: tokenizer_pb2.DetokenizeOpen,
+                 want_token_texts: bool) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[SampleOutput] = asyncio.Queue()
+        self.open = detokenize_open
+        self.want_token_texts = want_token_texts
+        self.samples = [_Sample(f"{request_id}#{i}") for i in range(n)]
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.samples)
+
+    @property
+    def engine_running(self) -> bool:
+        return not all(s.engine_done for s in self.samples)
+
+
+class OutputProcessor:
+    """Turns engine step outputs into per-request SampleOutputs via the detokenize stream."""
+
+    def __init__(self, tokenizer: TokenizerClient, abort_in_engine: Callable[[list[str]], None]) -> None:
+        self._tokenizer = tokenizer
+        self._abort_in_engine = abort_in_engine
+        self._requests: dict[str, RequestState] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add_request(self, state: RequestState) -> None:
+        self._requests[state.request_id] = state
+
+    def release(self, request_id: str) -> bool:
+        """Forget a request (its consumer is gone); cancel its open detokenize states.
+
+        Returns True when the engine may still be running it (the caller aborts it there).
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self._cancel_in_tokenizer(state.samples)
+        return state.engine_running
+
+    def fail(self, request_ids: Iterable[str], failure: Failure) -> None:
+        """Fail these requests (e.g. their engine stream broke): the consumer raises."""
+        for request_id in request_ids:
+            state = self._requests.get(request_id)
+            if state is not None:
+                for sample in state.samples:
+                    sample.engine_done = True
+                self._deliver_failure(state, failure)
+
+    async def process_step(self, step: engine_pb2.EngineStepOutputs) -> None:
+        """Detokenize one engine step's outputs (one tokenizer message) and deliver them."""
+        batch: list[tuple[RequestState, _Sample, engine_pb2.RequestOutput]] = []
+        items: list[tokenizer_pb2.DetokenizeItem] = []
+        for output in step.outputs:
+            state = self._requests.get(output.request_id)
+            if state is None or output.index >= len(state.samples):
+                continue  # finished, released or unknown: a late output
+            sample = state.samples[output.index]
+            if sample.done:
+                continue
+            finished = output.finish_reason != RUNNING
+            sample.engine_done = sample.engine_done or finished
+            if output.finish_reason == ERROR:
+                self._deliver_failure(state, Failure.from_proto(output.error, grpc.StatusCode.INTERNAL))
+                continue
+            if sample.opened_in is None and not output.new_token_ids:
+                if finished:  # ended before any token (e.g. aborted while waiting)
+                    self._deliver(state, sample, _sample_output(output, "", [], []))
+                continue
+            item = tokenizer_pb2.DetokenizeItem(request_id=sample.key, new_token_ids=output.new_token_ids,
+                                                finished=finished)
+            if sample.opened_in is None:
+                item.open.CopyFrom(state.open)
+                sample.opened_in = self._tokenizer.stream.generation
+            elif sample.opened_in != self._tokenizer.stream.generation:
+                self._deliver_failure(state, Failure(grpc.StatusCode.UNAVAILABLE,
+                                                     "the tokenizer restarted while the request ran"))
+                continue
+            items.append(item)
+            batch.append((state, sample, output))
+        if not items:
+            return
+        try:
+            results = await self._tokenizer.stream.detokenize_step(items)
+        except DetokenizeStreamError as exc:
+            for state, _, _ in batch:
+                self._deliver_failure(state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)))
+            return
+        texts = await self._token_texts(batch)
+        for (state, sample, output), result in zip(batch, results):
+            if self._requests.get(state.request_id) is state and not sample.done:
+                self._deliver_result(state, sample, output, result, texts)
+
+    def _deliver_result(self, state: RequestState, sample: _Sample, output: engine_pb2.RequestOutput,
+                        result: tokenizer_pb2.DetokenizeResult, texts: dict[int, str]) -> None:
+        if result.error.code:
+            sample.tokenizer_done = True
+            self._deliver_failure(state, Failure.from_proto(result.error, grpc.StatusCode.INTERNAL))
+            return
+        token_ids = list(output.new_token_ids)
+        logprobs = list(output.logprobs)
+        out = _sample_output(output, result.text_delta, token_ids, logprobs)
+        if result.HasField("stop_matched"):
+            del out.token_ids[result.tokens_consumed:]
+            del out.logprobs[result.tokens_consumed:]
+            out.finish_reason, out.stop_reason = STOP, result.stop_matched
+        if result.finished or output.finish_reason != RUNNING:
+            sample.tokenizer_done = True  # the tokenizer forgets a request it reports or was told finished
+        if texts:
+            _fill_token_texts(out.logprobs, texts)
+        self._deliver(state, sample, out)
+
+    def _deliver(self, state: RequestState, sample: _Sample, out: SampleOutput) -> None:
+        state.queue.put_nowait(out)
+        if not out.finished:
+            return
+        sample.done = True
+        if not sample.tokenizer_done and sample.opened_in is not None:
+            self._cancel_in_tokenizer([sample])
+        if state.done:
+            self._requests.pop(state.request_id, None)
+            if state.engine_running:  # stopped by a stop string: free the engine's slots now
+                self._abort_in_engine([state.request_id])
+
+    def _deliver_failure(self, state: RequestState, failure: Failure) -> None:
+        """Fail the whole request: its consumer raises on this output."""
+        if self._requests.pop(state.request_id, None) is None:
+            return
+        log.warning("request failed", extra={"request_id": state.request_id,
+                                             "code": failure.code.name, "error": failure.message})
+        self._cancel_in_tokenizer(state.samples)
+        for sample in state.samples:
+            sample.done = True
+        if state.engine_running:
+            self._abort_in_engine([state.request_id])
+        state.queue.put_nowait(SampleOutput(index=0, finish_reason=ERROR, failure=failure))
+
+    def _cancel_in_tokenizer(self, samples: Iterable[_Sample]) -> None:
+        keys = []
+        for sample in samples:
+            if sample.opened_in is not None and not sample.tokenizer_done:
+                sample.tokenizer_done = True
+                if sample.opened_in == self._tokenizer.stream.generation:
+                    keys.append(sample.key)
+        self._tokenizer.stream.cancel(keys)
+
+    async def _token_texts(self, batch) -> dict[int, str]:
+        """Texts of every token named in the batch's logprobs (only when some request wants them)."""
+        ids = {lp.token_id
+               for state, _, output in batch if state.want_token_texts
+               for position in output.logprobs
+               for lp in (position.chosen, *position.top)}
+        if not ids:
+            return {}
+        try:
+            return await self._tokenizer.token_texts(ids)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not decode logprob tokens", extra={"error": str(exc.details())})
+            return {}
+
+
+def _sample_output(output: engine_pb2.RequestOutput, text: str, token_ids: list[int],
+                   logprobs: list[common_pb2.PositionLogprobs]) -> SampleOutput:
+    return SampleOutput(index=output.index, text=text, token_ids=token_ids, logprobs=logprobs,
+                        finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+                        num_cached_tokens=output.num_cached_tokens)
+
+
+def _fill_token_texts(logprobs: Iterable[common_pb2.PositionLogprobs], texts: dict[int, str]) -> None:
+    for position in logprobs:
+        for lp in (position.chosen, *position.top):
+            lp.token = texts.get(lp.token_id, "")

@@ -1,0 +1,129 @@
+"""Request validation of the frontend.
+
+The first tests call the pure validation function; the rest send bad requests to
+the real stack and check the INVALID_ARGUMENT status names the offending field,
+and that the stack still answers a good request afterwards.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from stack import stack  # noqa: F401  (the session fixture)
+from tessera.v1 import common_pb2, engine_pb2, frontend_pb2, tokenizer_pb2
+from tessera_frontend.grpc_api import Limits, ValidationError, validate_request
+
+LIMITS = Limits(max_n=16, max_logprobs=20, max_stop=16)
+
+# (field named in the error, bad sampling params)
+BAD_PARAMS = [
+    ("temperature", dict(temperature=-0.5)),
+    ("temperature", dict(temperature=float("nan"))),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("top_k", dict(top_k=-2)),
+    ("min_p", dict(min_p=-0.1)),
+    ("min_p", dict(min_p=1.5)),
+    ("max_tokens", dict(max_tokens=0)),
+    ("min_tokens", dict(min_tokens=-1)),
+    ("min_tokens", dict(min_tokens=10, max_tokens=5)),
+    ("n", dict(n=0)),
+    ("n", dict(n=17)),
+    ("logprobs", dict(logprobs=-1)),
+    ("logprobs", dict(logprobs=21)),
+    ("prompt_logprobs", dict(prompt_logprobs=-1)),
+    ("prompt_logprobs", dict(prompt_logprobs=21)),
+    ("repetition_penalty", dict(repetition_penalty=0.0)),
+    ("presence_penalty", dict(presence_penalty=2.5)),
+    ("presence_penalty", dict(presence_penalty=-2.5)),
+    ("frequency_penalty", dict(frequency_penalty=2.5)),
+    ("frequency_penalty", dict(frequency_penalty=-2.5)),
+    ("stop", dict(stop=[f"s{i}" for i in range(17)])),
+]
+
+GOOD_PARAMS = [
+    dict(),
+    dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=1, min_tokens=1, n=16,
+         logprobs=0, prompt_logprobs=20, repetition_penalty=1.2, presence_penalty=-2.0,
+         frequency_penalty=2.0, stop=[f"s{i}" for i in range(16)]),
+    dict(top_k=0, min_tokens=0, logprobs=20),
+]
+
+
+def _chat(text: str) -> tokenizer_pb2.ChatMessages:
+    return tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content=text)])
+
+
+def _request(**params) -> frontend_pb2.GenerateRequest:
+    return frontend_pb2.GenerateRequest(chat=_chat("Say hi."),
+                                        sampling_params=common_pb2.SamplingParams(**params))
+
+
+@pytest.mark.parametrize("field,params", BAD_PARAMS)
+def test_validate_rejects(field, params):
+    with pytest.raises(ValidationError, match=rf"^{field}:"):
+        validate_request(_request(**params), LIMITS)
+
+
+@pytest.mark.parametrize("params", GOOD_PARAMS)
+def test_validate_accepts(params):
+    validate_request(_request(**params), LIMITS)
+
+
+@pytest.mark.parametrize("request_", [
+    frontend_pb2.GenerateRequest(),
+    frontend_pb2.GenerateRequest(text=""),
+    frontend_pb2.GenerateRequest(chat=tokenizer_pb2.ChatMessages()),
+    frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds()),
+], ids=["missing", "empty-text", "no-messages", "no-ids"])
+def test_validate_rejects_empty_prompt(request_):
+    with pytest.raises(ValidationError, match=r"^prompt:"):
+        validate_request(request_, LIMITS)
+
+
+def _expect_invalid(call, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in info.value.details()
+
+
+@pytest.mark.parametrize("field,params", BAD_PARAMS)
+def test_stack_rejects_bad_field(stack, field, params):
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(_request(**params), timeout=30)), field)
+
+
+def test_stack_complete_rejects_bad_field(stack):
+    _expect_invalid(lambda: stack.frontend_stub.Complete(_request(top_p=2.0), timeout=30), "top_p")
+
+
+@pytest.mark.parametrize("request_", [
+    frontend_pb2.GenerateRequest(),
+    frontend_pb2.GenerateRequest(text=""),
+    frontend_pb2.GenerateRequest(chat=tokenizer_pb2.ChatMessages()),
+], ids=["missing", "empty-text", "no-messages"])
+def test_stack_rejects_empty_prompt(stack, request_):
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(request_, timeout=30)), "prompt")
+
+
+def test_stack_rejects_prompt_longer_than_model(stack):
+    info = stack.engine_stub.GetInfo(engine_pb2.EngineInfoRequest(), timeout=10)
+    assert info.max_model_len > 0
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(
+        _request(max_tokens=info.max_model_len), timeout=30)), "max_tokens")
+    ids = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1] * info.max_model_len),
+                                       sampling_params=common_pb2.SamplingParams(max_tokens=1))
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(ids, timeout=30)), "max_tokens")
+
+
+def test_stack_rejects_token_ids_outside_vocab(stack):
+    info = stack.tokenizer_stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=10)
+    request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, info.vocab_size]))
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(request, timeout=30)), "token_ids")
+
+
+def test_stack_answers_after_bad_requests(stack):
+    responses = list(stack.frontend_stub.Generate(_request(temperature=0.0, max_tokens=8), timeout=120))
+    assert responses and responses[-1].finish_reason in (common_pb2.FINISH_REASON_STOP,
+                                                         common_pb2.FINISH_REASON_LENGTH)
+    assert responses[-1].usage.completion_tokens == sum(len(r.token_ids) for r in responses)

@@ -1,0 +1,196 @@
+"""End-to-end tests through the real tokenizer, engine and frontend processes (no mocks)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from stack import health_status, stack  # noqa: F401  (the session fixture)
+from tessera.v1 import common_pb2, engine_pb2, frontend_pb2, tokenizer_pb2
+
+QUESTION = "What is the capital of France? Answer in one word."
+STOP = common_pb2.FINISH_REASON_STOP
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+def chat(text: str) -> tokenizer_pb2.ChatMessages:
+    return tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content=text)])
+
+
+def generate(stack, text: str = QUESTION, metadata=None, **params) -> list[frontend_pb2.GenerateResponse]:
+    request = frontend_pb2.GenerateRequest(chat=chat(text),
+                                           sampling_params=common_pb2.SamplingParams(**params))
+    return list(stack.frontend_stub.Generate(request, timeout=120, metadata=metadata))
+
+
+def joined(responses, index: int = 0) -> tuple[str, list[int]]:
+    mine = [r for r in responses if r.index == index]
+    return "".join(r.text for r in mine), [t for r in mine for t in r.token_ids]
+
+
+def wait_engine_idle(stack, seconds: float = 3.0) -> engine_pb2.EngineStats:
+    """Poll the engine until nothing runs or waits and every KV block is free; return the stats."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = stack.engine_stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+        idle = (stats.num_running == 0 and stats.num_waiting == 0
+                and stats.num_blocks_free == stats.num_blocks_total)
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_greedy_chat_answer(stack):
+    responses = generate(stack, temperature=0.0, max_tokens=16)
+    text, token_ids = joined(responses)
+    assert "Paris" in text, stack.logs()
+
+    # The streamed deltas add up to the detokenization of every token received.
+    full = stack.tokenizer_stub.Detokenize(
+        tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=True), timeout=10)
+    assert text == full.text
+
+    prompt = stack.tokenizer_stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat(QUESTION)), timeout=10)
+    last = responses[-1]
+    assert last.usage.completion_tokens == len(token_ids)
+    assert last.usage.prompt_tokens == len(prompt.token_ids)
+    assert last.finish_reason in (STOP, LENGTH)
+    assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    assert not any(r.HasField("usage") for r in responses[:-1])
+    assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+
+
+def test_complete_matches_generate(stack):
+    streamed, ids = joined(generate(stack, temperature=0.0, max_tokens=16))
+    result = stack.frontend_stub.Complete(frontend_pb2.GenerateRequest(
+        request_id="complete-1", chat=chat(QUESTION),
+        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=16)), timeout=120)
+    assert result.request_id == "complete-1"
+    [choice] = result.choices
+    assert choice.text == streamed and list(choice.token_ids) == ids
+    assert result.usage.completion_tokens == len(ids)
+
+
+def test_request_id_from_metadata(stack):
+    responses = generate(stack, metadata=(("x-request-id", "meta-42"),), temperature=0.0, max_tokens=4)
+    assert {r.request_id for r in responses} == {"meta-42"}
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_text(stack, include):
+    question = "Why is the sky blue?"
+    full_text, full_ids = joined(generate(stack, question, temperature=0.0, max_tokens=40))
+    words = full_text.split()
+    assert len(words) > 6, full_text
+    stop = words[len(words) // 2]
+    cut = full_text.index(stop)
+
+    responses = generate(stack, question, temperature=0.0, max_tokens=40, stop=[stop],
+                         include_stop_str_in_output=include)
+    text, ids = joined(responses)
+    last = responses[-1]
+    assert text == full_text[:cut] + (stop if include else "")
+    assert last.finish_reason == STOP
+    assert last.stop_reason == stop
+    assert last.usage.completion_tokens == len(ids) <= len(full_ids)
+    assert ids == full_ids[:len(ids)]
+    stats = wait_engine_idle(stack)
+    assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total, stats
+
+
+def test_cancel_mid_stream_aborts_in_engine(stack):
+    request = frontend_pb2.GenerateRequest(
+        chat=chat("Write a very long story about a dragon."),
+        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+    call = stack.frontend_stub.Generate(request, timeout=120)
+    received = 0
+    for response in call:
+        received += len(response.token_ids)
+        if received >= 3:
+            break
+    running = stack.engine_stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+    assert running.num_running + running.num_waiting >= 1
+    call.cancel()
+    stats = wait_engine_idle(stack, seconds=3.0)
+    assert stats.num_running == 0, stats
+    assert stats.num_blocks_free == stats.num_blocks_total, stats
+
+
+def test_two_samples(stack):
+    responses = generate(stack, "Tell me a short joke.", temperature=0.9, seed=1234, n=2, max_tokens=12)
+    finals = [r for r in responses if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
+    assert sorted(r.index for r in finals) == [0, 1]
+    assert {r.index for r in responses} == {0, 1}
+    counts = [len(joined(responses, i)[1]) for i in (0, 1)]
+    assert all(c > 0 for c in counts)
+    assert responses[-1].usage.completion_tokens == sum(counts)
+
+    again = generate(stack, "Tell me a short joke.", temperature=0.9, seed=1234, n=2, max_tokens=12)
+    assert [joined(again, i) for i in (0, 1)] == [joined(responses, i) for i in (0, 1)]
+
+
+def test_logprobs(stack):
+    responses = generate(stack, temperature=0.0, max_tokens=5, logprobs=2)
+    for r in responses:
+        assert len(r.logprobs) == len(r.token_ids)
+        for token_id, position in zip(r.token_ids, r.logprobs):
+            assert position.chosen.token_id == token_id
+            assert position.chosen.logprob <= 0.0
+            assert len(position.top) == 2
+    # The frontend fills in each token's text: for this plain-ASCII answer they spell the text.
+    token_texts = "".join(p.chosen.token for r in responses for p in r.logprobs)
+    assert token_texts.startswith(joined(responses)[0])
+    assert all(t.token for r in responses for p in r.logprobs for t in p.top)
+
+
+def test_cli_generate(stack):
+    env = dict(os.environ, TESSERA_FRONTEND_ADDR=stack.frontend.addr)
+    done = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "generate", QUESTION, "--temperature", "0",
+         "--max-tokens", "16", "--wait", "30"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    assert "completion_tokens=" in done.stderr
+
+    health = subprocess.run([sys.executable, "-m", "tessera.cli", "health", "--addr", stack.frontend.addr],
+                            capture_output=True, text=True, timeout=60)
+    assert health.returncode == 0 and health.stdout.strip() == "SERVING"
+
+
+def test_cli_reports_errors(stack):
+    done = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "generate", QUESTION, "--addr", stack.frontend.addr,
+         "--max-tokens", "0"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "INVALID_ARGUMENT" in done.stderr and "max_tokens" in done.stderr
+
+
+def test_frontend_health_and_reflection(stack):
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert health_status(stack.frontend_channel) == serving
+    assert health_status(stack.frontend_channel, "tessera.v1.FrontendService") == serving
+
+    reflection = reflection_pb2_grpc.ServerReflectionStub(stack.frontend_channel)
+    replies = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    names = {s.name for reply in replies for s in reply.list_services_response.service}
+    assert {"tessera.v1.FrontendService", "grpc.health.v1.Health"} <= names
+
+
+def test_concurrent_requests_do_not_mix(stack):
+    """Several greedy requests in flight at once each get their own, complete answer."""
+    request = frontend_pb2.GenerateRequest(
+        chat=chat(QUESTION), sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=16))
+    futures = [stack.frontend_stub.Complete.future(request, timeout=120) for _ in range(4)]
+    results = [f.result() for f in futures]
+    assert len({r.request_id for r in results}) == len(results)
+    for result in results:
+        assert "Paris" in result.choices[0].text
+        assert result.usage.completion_tokens == len(result.choices[0].token_ids)

@@ -1,0 +1,374 @@
+"""The gRPC TokenizerService: Tokenize, Detokenize, the multiplexed DetokenizeStream, GetModelInfo.
+
+A thin adapter: validation and proto conversion here, the work in `tokenizer` and
+`detokenizer`. The server starts first (health NOT_SERVING), loads the tokenizer in a
+background thread, then turns SERVING; calls made before that get UNAVAILABLE.
+
+Run with `python -m tessera_tokenizer --port N` (flags below, each with an env fallback).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import signal
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+import grpc
+
+from tessera.common.flags import add_common_flags, add_flag
+from tessera.common.grpc_service import CHANNEL_OPTIONS, Health, add_reflection, request_id_from
+from tessera.common.logs import setup_logging
+from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tessera_tokenizer.detokenizer import IncrementalDetokenizer
+from tessera_tokenizer.tokenizer import CHAT_ROLES, Encoding, Tokenizer
+
+log = logging.getLogger("tessera.tokenizer")
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+# Work bigger than this (characters to encode, tokens to decode) runs in a worker
+# thread, so that one large call does not hold up every other call on the event loop
+# (the tokenizer releases the GIL for large inputs; see tokenizer.py).
+_INLINE_CHARS = 4_096
+_INLINE_TOKENS = 2_048
+# Seconds open calls get to finish on SIGTERM/SIGINT.
+_SHUTDOWN_GRACE_S = 5.0
+
+T = TypeVar("T")
+
+
+class InvalidInput(ValueError):
+    """Bad client input; the message names the field: "<field>: <what is wrong>"."""
+
+
+class DetokenizeSession:
+    """The requests of one DetokenizeStream call, by request id; gone when the stream ends.
+
+    Every item gets exactly one result. A request id is opened by an item carrying
+    `open`, or else by its first item (default options). `cancel` drops the request
+    with no output; `finished` flushes held-back text and forgets it; a stop-string
+    match ends it too (finished=true, stop_matched, tokens_consumed). Items that arrive
+    without `open` for an id that ended here (stop string, error) get an empty
+    finished result. A bad item gets a result with an error and finished=true and its
+    request is dropped; the other items and requests are unaffected. The exception is
+    `open` for an id that is already open: that item is refused, the open request
+    goes on.
+    """
+
+    # How many ids ended here (stop string, error) are remembered, so that tokens the
+    # engine generated before it was told to stop are ignored instead of opening the
+    # id again.
+    MAX_ENDED = 65_536
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, IncrementalDetokenizer] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def process(self, message: tokenizer_pb2.DetokenizeStreamRequest) -> tokenizer_pb2.DetokenizeStreamResponse:
+        """One inbound message (one engine step) to one reply, results in item order."""
+        response = tokenizer_pb2.DetokenizeStreamResponse()
+        results = response.results
+        for item in message.items:
+            try:
+                results.append(self._item(item))
+            except InvalidInput as exc:
+                results.append(self._fail(item.request_id, "INVALID_ARGUMENT", str(exc)))
+            except Exception as exc:  # a bug must not break the other requests on the stream
+                log.exception("detokenize item failed", extra={"request_id": item.request_id})
+                results.append(self._fail(item.request_id, "INTERNAL", f"internal error: {exc}"))
+        return response
+
+    def _item(self, item: tokenizer_pb2.DetokenizeItem) -> tokenizer_pb2.DetokenizeResult:
+        rid = item.request_id
+        if not rid:
+            raise InvalidInput("request_id: must not be empty")
+        request = self.requests.get(rid)
+        if item.cancel:
+            self.requests.pop(rid, None)
+            log.debug("detokenize request cancelled", extra={"request_id": rid})
+            return tokenizer_pb2.DetokenizeResult(request_id=rid, finished=True)
+        if item.HasField("open"):
+            if request is not None:
+                # The open request stays as it is; only this item is refused.
+                return tokenizer_pb2.DetokenizeResult(
+                    request_id=rid, finished=True,
+                    error={"code": "INVALID_ARGUMENT", "message": f"open: request id {rid!r} is already open"},
+                )
+            request = self._open(rid, item.open)
+        elif request is None:
+            if rid in self._ended:
+                # Tokens generated after this request ended here (e.g. on a stop string).
+                return tokenizer_pb2.DetokenizeResult(request_id=rid, finished=True)
+            request = self._open(rid, None)
+
+        bad = self.tokenizer.first_invalid_id(item.new_token_ids)
+        if bad is not None:
+            raise InvalidInput(f"new_token_ids: token id {bad} is out of range [0, {self.tokenizer.vocab_size})")
+        out = request.step(item.new_token_ids, finished=item.finished)
+        if out.finished:
+            del self.requests[rid]
+            if out.stop_matched is not None:
+                self._remember_ended(rid)
+            log.debug("detokenize request finished",
+                      extra={"request_id": rid, "stop_matched": out.stop_matched})
+        return tokenizer_pb2.DetokenizeResult(
+            request_id=rid,
+            text_delta=out.text,
+            stop_matched=out.stop_matched,
+            tokens_consumed=out.tokens_consumed,
+            finished=out.finished,
+        )
+
+    def _open(self, rid: str, spec: tokenizer_pb2.DetokenizeOpen | None) -> IncrementalDetokenizer:
+        if spec is None:
+            request = IncrementalDetokenizer(self.tokenizer.backend)
+        else:
+            if any(not s for s in spec.stop):
+                raise InvalidInput("open.stop: stop strings must not be empty")
+            bad = self.tokenizer.first_invalid_id(spec.prompt_token_ids)
+            if bad is not None:
+                raise InvalidInput(
+                    f"open.prompt_token_ids: token id {bad} is out of range [0, {self.tokenizer.vocab_size})")
+            request = IncrementalDetokenizer(
+                self.tokenizer.backend,
+                stop=list(spec.stop),
+                include_stop_str_in_output=spec.include_stop_str_in_output,
+                skip_special_tokens=spec.skip_special_tokens if spec.HasField("skip_special_tokens") else True,
+                prompt_token_ids=list(spec.prompt_token_ids),
+            )
+        self.requests[rid] = request
+        self._ended.pop(rid, None)
+        log.debug("detokenize request opened", extra={"request_id": rid})
+        return request
+
+    def _fail(self, rid: str, code: str, message: str) -> tokenizer_pb2.DetokenizeResult:
+        """End request `rid` with an error result."""
+        log.warning("detokenize item rejected: %s", message, extra={"request_id": rid})
+        if rid:
+            self.requests.pop(rid, None)
+            self._remember_ended(rid)
+        return tokenizer_pb2.DetokenizeResult(
+            request_id=rid, finished=True, error={"code": code, "message": message})
+
+    def _remember_ended(self, rid: str) -> None:
+        self._ended[rid] = None
+        self._ended.move_to_end(rid)
+        while len(self._ended) > self.MAX_ENDED:
+            self._ended.popitem(last=False)
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    """Implements tessera.v1.TokenizerService over a `Tokenizer` (set once it has loaded)."""
+
+    def __init__(self, max_input_chars: int, max_messages: int) -> None:
+        self.tokenizer: Tokenizer | None = None
+        self.max_input_chars = max_input_chars
+        self.max_messages = max_messages
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> Tokenizer:
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "tokenizer is still loading")
+        return self.tokenizer
+
+    async def _invalid(self, context: grpc.aio.ServicerContext, method: str, exc: InvalidInput) -> None:
+        log.info("%s rejected: %s", method, exc, extra={"request_id": request_id_from(context)})
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context) -> tokenizer_pb2.TokenizeResponse:
+        tokenizer = await self._ready(context)
+        started = time.perf_counter()
+        try:
+            encode, size = self._tokenize_job(tokenizer, request)
+            response = await _run(lambda: _tokenize_response(encode()), size > _INLINE_CHARS)
+        except InvalidInput as exc:
+            await self._invalid(context, "Tokenize", exc)
+        log.debug("tokenized", extra={"request_id": request_id_from(context), "tokens": len(response.token_ids),
+                                      "ms": round((time.perf_counter() - started) * 1e3, 3)})
+        return response
+
+    def _tokenize_job(self, tokenizer: Tokenizer, request: tokenizer_pb2.TokenizeRequest) -> tuple[Callable, int]:
+        """Validate a TokenizeRequest; return (the work to do, its size in characters)."""
+        kind = request.WhichOneof("input")
+        offsets = request.return_offsets
+        if kind == "text":
+            text = request.text
+            if len(text) > self.max_input_chars:
+                raise InvalidInput(f"text: {len(text)} characters is over the limit of "
+                                   f"{self.max_input_chars} (--max-input-chars)")
+            special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            return (lambda: tokenizer.encode(text, special, offsets)), len(text)
+        if kind == "chat":
+            messages = request.chat.messages
+            if not messages:
+                raise InvalidInput("chat.messages: must not be empty")
+            if len(messages) > self.max_messages:
+                raise InvalidInput(f"chat.messages: {len(messages)} messages is over the limit of "
+                                   f"{self.max_messages} (--max-messages)")
+            for i, m in enumerate(messages):
+                if m.role not in CHAT_ROLES:
+                    raise InvalidInput(f"chat.messages[{i}].role: unknown role {m.role!r} "
+                                       f"(allowed: {', '.join(CHAT_ROLES)})")
+            size = sum(len(m.content) for m in messages)
+            if size > self.max_input_chars:
+                raise InvalidInput(f"chat.messages: {size} characters of content is over the limit of "
+                                   f"{self.max_input_chars} (--max-input-chars)")
+            plain = [{"role": m.role, "content": m.content} for m in messages]
+            generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+
+            def encode_chat():
+                try:
+                    return tokenizer.encode_chat(plain, generation_prompt, offsets)
+                except ValueError as exc:
+                    raise InvalidInput(f"chat: {exc}") from exc
+
+            return encode_chat, size + 64 * len(messages)  # template work grows with the count
+        raise InvalidInput("input: set either text or chat")
+
+    async def Detokenize(self, request: tokenizer_pb2.DetokenizeRequest, context) -> tokenizer_pb2.DetokenizeResponse:
+        tokenizer = await self._ready(context)
+        ids = list(request.token_ids)
+        bad = tokenizer.first_invalid_id(ids)
+        if bad is not None:
+            await self._invalid(context, "Detokenize", InvalidInput(
+                f"token_ids: token id {bad} is out of range [0, {tokenizer.vocab_size})"))
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = await _run(lambda: tokenizer.decode(ids, skip), len(ids) > _INLINE_TOKENS)
+        log.debug("detokenized", extra={"request_id": request_id_from(context), "tokens": len(ids)})
+        return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    async def DetokenizeStream(
+        self, request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest], context
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        tokenizer = await self._ready(context)
+        session = DetokenizeSession(tokenizer)
+        stream_id = request_id_from(context)
+        log.info("detokenize stream opened", extra={"request_id": stream_id})
+        try:
+            async for message in request_iterator:
+                tokens = sum(len(item.new_token_ids) for item in message.items)
+                yield await _run(lambda: session.process(message), tokens > _INLINE_TOKENS)
+        finally:
+            log.info("detokenize stream closed", extra={"request_id": stream_id,
+                                                        "open_requests": len(session.requests)})
+
+    async def GetModelInfo(self, request: tokenizer_pb2.ModelInfoRequest, context) -> tokenizer_pb2.ModelInfo:
+        tokenizer = await self._ready(context)
+        info = tokenizer.info
+        return tokenizer_pb2.ModelInfo(
+            model_name=info.model_name,
+            vocab_size=info.vocab_size,
+            bos_token_id=info.bos_token_id,
+            eos_token_ids=info.eos_token_ids,
+            max_model_len=info.max_model_len,
+            has_chat_template=info.has_chat_template,
+            special_tokens=info.special_tokens,
+        )
+
+
+def _tokenize_response(encoding: Encoding) -> tokenizer_pb2.TokenizeResponse:
+    response = tokenizer_pb2.TokenizeResponse(token_ids=encoding.ids, text=encoding.text)
+    if encoding.offsets is not None:
+        response.offsets.extend([x for pair in encoding.offsets for x in pair])
+    return response
+
+
+async def _run(job: Callable[[], T], in_thread: bool) -> T:
+    """Run `job` here, or in a worker thread when it is big."""
+    return await asyncio.to_thread(job) if in_thread else job()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tessera-tokenizer", description="tessera tokenizer service")
+    add_common_flags(parser, 50052, "TESSERA_TOKENIZER_PORT")
+    add_flag(parser, "--model", "TESSERA_MODEL", None,
+             help="HF model directory or .gguf file (unset: the embedded SmolLM2-135M-Instruct)")
+    add_flag(parser, "--max-input-chars", "TESSERA_MAX_INPUT_CHARS", 1_000_000, type=int,
+             help="longest text (or total chat content) Tokenize accepts, in characters")
+    add_flag(parser, "--max-messages", "TESSERA_MAX_MESSAGES", 1024, type=int,
+             help="most chat messages Tokenize accepts")
+    return parser.parse_args(argv)
+
+
+def _load_in_background(model: str | None) -> asyncio.Future:
+    """Load the tokenizer in a daemon thread (so a signal during loading can exit at once)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def load() -> None:
+        try:
+            result: Any = Tokenizer.load(model)
+            loop.call_soon_threadsafe(_settle, future, result, None)
+        except BaseException as exc:  # reported through the future
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+
+    threading.Thread(target=load, name="load-tokenizer", daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT; returns the process exit code."""
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    servicer = TokenizerServicer(args.max_input_chars, args.max_messages)
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
+    health = Health(server, [SERVICE_NAME])
+    add_reflection(server, [SERVICE_NAME])
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    try:
+        port = server.add_insecure_port(f"{host}:{args.port}")
+    except RuntimeError as exc:
+        log.error("cannot listen on %s:%s: %s", host, args.port, exc)
+        return 1
+    await health.set(False)
+    await server.start()
+    log.info("listening", extra={"address": f"{host}:{port}"})
+
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+
+    started = time.perf_counter()
+    loading = _load_in_background(args.model)
+    stop_wait = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait([loading, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loading.done():
+        try:
+            servicer.tokenizer = loading.result()
+        except Exception:
+            log.exception("loading the tokenizer failed", extra={"model": args.model})
+            code = 1
+        else:
+            info = servicer.tokenizer.info
+            log.info("tokenizer loaded", extra={
+                "model": info.model_name, "vocab_size": info.vocab_size,
+                "max_model_len": info.max_model_len, "load_s": round(time.perf_counter() - started, 3)})
+            await health.set(True)
+            await stop_wait
+    stop_wait.cancel()
+    loading.cancel()
+
+    log.info("shutting down")
+    await health.set(False)
+    await server.stop(_SHUTDOWN_GRACE_S)
+    log.info("stopped")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging("tokenizer", args.log_level)
+    return asyncio.run(serve(args))

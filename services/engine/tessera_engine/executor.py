@@ -26,6 +26,8 @@ class UniProcExecutor:
         if loaded is None:
             loaded = load_model(config.model, config.block_size, config.max_model_len, self.dtype, self.device)
         self.model, self.hf_config, self.model_name, self.max_model_len = loaded
+        if config.max_model_len:  # a shared model may allow more than this engine is configured for
+            self.max_model_len = min(config.max_model_len, self.max_model_len)
         self.num_blocks = self._num_blocks(config)
         self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size,
                                   self.dtype, self.device)

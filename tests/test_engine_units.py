@@ -115,6 +115,21 @@ def test_token_budget_chunks_long_prompts():
     assert r.num_output_tokens == 1  # only the last chunk samples
 
 
+def test_chunked_prefill_with_prefix_caching_registers_only_computed_blocks():
+    s = make_scheduler(max_num_batched_tokens=6, enable_prefix_caching=True)
+    a = make_req("a", 25, max_tokens=2)
+    s.add_request(a)
+    run_step(s)  # 6 of 25 tokens: one full block of 4 is cached, not the 6 the lookup hashed
+    assert len(s.kv.cached) == 1
+    while s.has_unfinished():
+        run_step(s)
+    assert a.num_output_tokens == 2 and s.kv.num_free_blocks == s.kv.num_blocks
+    b = make_req("b", 25, max_tokens=1)
+    s.add_request(b)
+    out = s.schedule()
+    assert out.scheduled[0].start == 24  # 6 full blocks of a's prompt reused
+
+
 def test_running_first_then_waiting_within_budget():
     s = make_scheduler(max_num_batched_tokens=12, enable_prefix_caching=False)
     a = make_req("a", 8, max_tokens=5)

@@ -154,10 +154,11 @@ class KVCacheManager:
         reads, so a request scheduled in the same step may already reuse them.
         """
         hashes = self._block_hashes(req, num_tokens)
+        num_full = num_tokens // self.block_size  # hashes may run ahead (memoized by a lookup)
         table = self.req_blocks[req.key]
         start = self.req_num_registered.get(req.key, 0)
-        self.req_num_registered[req.key] = len(hashes)
-        for i in range(start, len(hashes)):
+        self.req_num_registered[req.key] = max(start, num_full)
+        for i in range(start, num_full):
             h = hashes[i]
             block = self.blocks[table[i]]
             if block.block_hash is None:

@@ -20,6 +20,23 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 
+# Channels between our services carry long-lived streams (the engine Session, the detokenize
+# stream): keepalive pings find a peer that vanished without closing its connection (a killed
+# container, a dropped network) within seconds instead of at the OS's TCP timeout.
+CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# Servers accept those pings (by default gRPC servers answer frequent pings with GOAWAY).
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
 
 class Health:
     """The standard health service for `service_names` plus the overall "" entry."""
@@ -27,9 +44,11 @@ class Health:
     def __init__(self, server: grpc.aio.Server, service_names: Iterable[str]) -> None:
         self.servicer = health_async.HealthServicer()
         self.names = ["", *service_names]
+        self.serving = False  # the last status set, for the HTTP /health that must agree
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
 
     async def set(self, serving: bool) -> None:
+        self.serving = serving
         for name in self.names:
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
 

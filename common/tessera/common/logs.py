@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
@@ -40,3 +41,15 @@ def setup_logging(service: str, level: str = "INFO") -> None:
 
 def now() -> float:
     return time.time()
+
+
+# The frontend runs a client request "<request_id>" in the engine as "<request_id>-<12 hex
+# digits>" (unique per attempt) and on the detokenize stream as that plus "#<sample index>".
+# Logs of every service carry the client's id as `request_id`, so one grep finds a request
+# everywhere (and the full id as `engine_request_id`).
+_ATTEMPT_SUFFIX = re.compile(r"-[0-9a-f]{12}(#\d+)?$")
+
+
+def client_request_id(request_id: str) -> str:
+    """The client's request id inside an engine / detokenize request id (itself if none)."""
+    return _ATTEMPT_SUFFIX.sub("", request_id) if request_id else request_id

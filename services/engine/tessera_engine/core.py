@@ -48,6 +48,30 @@ class EngineCoreOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: tuple[str, str] | None = None  # (code, message)
+    timing: "RequestTiming | None" = None  # set on a finished sample's last output
+
+
+@dataclasses.dataclass
+class RequestTiming:
+    """A finished sample's timestamps (unix seconds; None when it never got there) and
+    token count: the raw material of the request metrics and the 'request finished' log line."""
+    queued: float
+    scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    finished: float
+    num_generation_tokens: int
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What one engine step did (one record per step that ran; the metrics' per-step input)."""
+    step: int
+    duration_s: float           # schedule + execute + outputs, wall clock
+    num_batched_tokens: int     # tokens the model computed this step (prefill chunks + decodes)
+    num_prompt_tokens: int      # prompt lengths of the samples that got their first token
+    num_generation_tokens: int  # tokens sampled (= new_token_ids emitted) this step
+    num_preempted: int
 
 
 @dataclasses.dataclass
@@ -80,6 +104,7 @@ class EngineCore:
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
         self.step_count = 0
+        self.last_iteration: IterationStats | None = None  # the latest step() that ran, else None
 
     # -- intake ----------------------------------------------------------------
     def check_request(self, req: EngineCoreRequest) -> None:
@@ -132,21 +157,29 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
+            self.last_iteration = None
             return []
         result = self.executor.execute_model(sched)
         for key, entries in result.prompt_logprobs.items():
             self.scheduler.requests[key].prompt_logprobs.extend(entries)
         self.scheduler.update_after_step(sched, result.sampled)
         self.step_count += 1
+        now = time.time()
+        num_prompt_tokens = 0
         outs = []
         for s in sched.scheduled:
             req = s.request
             token = result.sampled.get(req.key)
             if token is None:
                 continue
-            out = self._output(req, [token])
+            if req.first_token_time is None:
+                req.first_token_time = now
+                num_prompt_tokens += req.num_prompt_tokens
+            req.last_token_time = now
+            out = self._output(req, [token], now)
             lp = result.logprobs.get(req.key)
             if lp is not None:
                 out.logprobs = [lp]
@@ -154,14 +187,21 @@ class EngineCore:
                 out.prompt_logprobs = req.prompt_logprobs
                 req.prompt_logprobs_done = True
             outs.append(out)
+        self.last_iteration = IterationStats(self.step_count, time.perf_counter() - started,
+                                             sched.num_batched_tokens, num_prompt_tokens, len(outs),
+                                             len(sched.preempted))
         return outs
 
-    def _output(self, req: Request, tokens: list[int]) -> EngineCoreOutput:
-        return EngineCoreOutput(
+    def _output(self, req: Request, tokens: list[int], now: float | None = None) -> EngineCoreOutput:
+        out = EngineCoreOutput(
             request_id=req.request_id, index=req.index, client_id=req.client_id,
             new_token_ids=tokens, finish_reason=_FINISH.get(req.status),
             stop_token_id=req.stop_token_id, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0))
+        if out.finish_reason is not None:
+            out.timing = RequestTiming(req.queued_time, req.first_scheduled_time, req.first_token_time,
+                                       req.last_token_time, now or time.time(), req.num_output_tokens)
+        return out
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats()
@@ -181,15 +221,20 @@ class EngineCore:
         return tokens
 
 
-OutputCallback = Callable[[int, list[EngineCoreOutput], EngineStats], None]
+# (step count, outputs, scheduler stats after the step, the step's IterationStats or None when
+# no step ran, e.g. after an abort). Called on the core thread; keep it short.
+OutputCallback = Callable[[int, list[EngineCoreOutput], EngineStats, "IterationStats | None"], None]
 
 
 class EngineCoreLoop:
     """Runs EngineCore.run_loop on its own thread; other threads talk to it through a queue."""
 
-    def __init__(self, core: EngineCore, on_outputs: OutputCallback) -> None:
+    def __init__(self, core: EngineCore, on_outputs: OutputCallback,
+                 fault_after_steps: int | None = None) -> None:
         self.core = core
         self.on_outputs = on_outputs
+        # Test-only fault injection: the loop raises instead of running step N+1.
+        self.fault_after_steps = fault_after_steps
         self.inputs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self.run_loop, name="engine-core", daemon=True)
         self.stopped = False
@@ -225,7 +270,7 @@ class EngineCoreLoop:
         elif kind == "abort":
             outs.extend(self.core.abort_requests(arg))
         elif kind == "abort_client":
-            self.core.abort_client(arg)
+            outs.extend(self.core.abort_client(arg))  # nobody reads them, but they are counted and logged
 
     def run_loop(self) -> None:
         """receive → add → schedule → execute → emit, until stopped."""
@@ -234,6 +279,7 @@ class EngineCoreLoop:
                 outs: list[EngineCoreOutput] = []
                 # block for input only when there is nothing to run
                 block = not self.core.has_unfinished()
+                handled = False
                 while True:
                     try:
                         kind, arg = self.inputs.get(block=block, timeout=None if block else 0)
@@ -243,9 +289,15 @@ class EngineCoreLoop:
                         return
                     self._handle(kind, arg, outs)
                     block = False
+                    handled = True
+                if (self.fault_after_steps is not None and self.core.has_unfinished()
+                        and self.core.step_count >= self.fault_after_steps):
+                    raise RuntimeError(f"injected fault after {self.core.step_count} steps "
+                                       "(TESSERA_ENGINE_FAULT_AFTER_STEPS)")
                 outs.extend(self.core.step())
-                if outs:
-                    self.on_outputs(self.core.step_count, outs, self.core.stats())
+                iteration = self.core.last_iteration
+                if outs or iteration is not None or handled:
+                    self.on_outputs(self.core.step_count, outs, self.core.stats(), iteration)
         except BaseException as exc:  # the loop dying must be visible to health checks
             self.error = exc
             log.exception("engine core loop died")

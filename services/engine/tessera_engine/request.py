@@ -34,6 +34,8 @@ class EngineCoreRequest:
     arrival_time: float = dataclasses.field(default_factory=time.time)
     eos_token_ids: list[int] | None = None
     client_id: str = ""  # which session (frontend stream) gets the outputs
+    # When this engine received it (unix seconds): the start of its queue time.
+    received_time: float = dataclasses.field(default_factory=time.time)
 
 
 class Request:
@@ -60,7 +62,12 @@ class Request:
         self.generator: torch.Generator | None = None  # made by the sampler when seeded
         self.prompt_logprobs_done = self.params.prompt_logprobs is None
         self.prompt_logprobs: list = []  # gathered over prefill chunks, sent with the first token
-        self.first_scheduled_time: float | None = None
+        # Timestamps (unix seconds) for the request metrics: queue = first scheduled - queued,
+        # prefill = first token - first scheduled, decode = last token - first token.
+        self.queued_time = core_req.received_time
+        self.first_scheduled_time: float | None = None  # set by the scheduler
+        self.first_token_time: float | None = None      # set by EngineCore.step
+        self.last_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,17 @@
-"""gRPC adapter around EngineCoreLoop: the EngineService Session stream, health, reflection, flags.
+"""gRPC adapter around EngineCoreLoop: the EngineService Session stream, health, reflection,
+metrics, flags.
 
 Each frontend keeps one Session stream open. Requests and aborts arrive on it;
 the core loop's per-step outputs are grouped by session and each session gets
 one EngineStepOutputs message per step. Closing a session aborts its requests.
+
+Health is SERVING only while the model is loaded and the core loop runs: a watcher
+turns it NOT_SERVING when the loop dies, and ends every open session with
+UNAVAILABLE so that no request waits forever on a dead loop. The same truth is on
+the metrics port's HTTP /health.
+
+Test-only fault injection: with the environment variable TESSERA_ENGINE_FAULT_AFTER_STEPS=N
+the core loop raises instead of running step N+1 (tests kill the loop that way).
 """
 from __future__ import annotations
 
@@ -10,21 +19,29 @@ import argparse
 import asyncio
 import itertools
 import logging
+import os
 import signal
 import time
 
 import grpc
 
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_service import CHANNEL_OPTIONS, Health, add_reflection
-from tessera.common.logs import setup_logging
+from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
+from tessera.common.logs import client_request_id, setup_logging
+from tessera.common.metrics import add_metrics_flag, start_metrics_server
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tessera_engine.config import EngineConfig
-from tessera_engine.core import EngineCore, EngineCoreLoop, EngineCoreOutput, EngineStats, RequestRejected
+from tessera_engine.core import (EngineCore, EngineCoreLoop, EngineCoreOutput, EngineStats, IterationStats,
+                                 RequestRejected)
+from tessera_engine.metrics import EngineMetrics
 from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tessera.engine")
+
+FAULT_ENV = "TESSERA_ENGINE_FAULT_AFTER_STEPS"  # test-only: the core loop raises after N steps
+LOOP_WATCH_S = 0.25  # how often the watcher checks that the core loop is alive
+_LOOP_DIED = object()  # put on every session queue when the core loop dies
 
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
@@ -65,11 +82,14 @@ def stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, config: EngineConfig, health: Health) -> None:
+    def __init__(self, config: EngineConfig, health: Health, fault_after_steps: int | None = None) -> None:
         self.config = config
         self.health = health
+        self.fault_after_steps = fault_after_steps
         self.core: EngineCore | None = None
         self.loop_runner: EngineCoreLoop | None = None
+        self.metrics: EngineMetrics | None = None
+        self.watcher: asyncio.Task | None = None
         self.sessions: dict[str, asyncio.Queue] = {}
         self._session_ids = itertools.count()
         self._aio_loop: asyncio.AbstractEventLoop | None = None
@@ -78,19 +98,50 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         """Load the model off the event loop, then start the core loop and report SERVING."""
         self._aio_loop = asyncio.get_running_loop()
         self.core = await asyncio.to_thread(EngineCore, self.config)
-        self.loop_runner = EngineCoreLoop(self.core, self._on_outputs)
+        self.metrics = EngineMetrics(
+            self.core.model_name, self.core.max_model_len, block_size=self.config.block_size,
+            num_blocks=self.core.kv_cache.num_blocks, enable_prefix_caching=self.config.enable_prefix_caching)
+        self.metrics.record_step(self.core.stats(), None)
+        if self.fault_after_steps is not None:
+            log.warning("fault injection armed: the core loop will die after %d steps", self.fault_after_steps,
+                        extra={"env": FAULT_ENV})
+        self.loop_runner = EngineCoreLoop(self.core, self._on_outputs, self.fault_after_steps)
         self.loop_runner.start()
+        self.watcher = asyncio.create_task(self._watch_loop(), name="core-loop-watcher")
         await self.health.set(True)
         log.info("engine ready", extra={"model": self.core.model_name, "num_blocks": self.core.kv_cache.num_blocks})
 
-    # called on the core thread once per step
-    def _on_outputs(self, step: int, outs: list[EngineCoreOutput], stats: EngineStats) -> None:
+    async def _watch_loop(self) -> None:
+        """Turn NOT_SERVING and end every session (UNAVAILABLE) once the core loop is dead."""
+        runner = self.loop_runner
+        while runner.alive():
+            await asyncio.sleep(LOOP_WATCH_S)
+        if runner.stopped and runner.error is None:
+            return  # stopped on purpose
+        log.error("engine core loop is dead; health is NOT_SERVING",
+                  extra={"error": repr(runner.error), "sessions": len(self.sessions)})
+        await self.health.set(False)
+        for q in self.sessions.values():
+            q.put_nowait(_LOOP_DIED)
+
+    # called on the core thread once per loop iteration that did something
+    def _on_outputs(self, step: int, outs: list[EngineCoreOutput], stats: EngineStats,
+                    iteration: IterationStats | None) -> None:
         by_client: dict[str, list[EngineCoreOutput]] = {}
+        finished = []
         for o in outs:
             by_client.setdefault(o.client_id, []).append(o)
-        self._aio_loop.call_soon_threadsafe(self._deliver, step, by_client, stats)
+            if o.finish_reason is not None:
+                finished.append(o)
+        self._aio_loop.call_soon_threadsafe(self._deliver, step, by_client, stats, iteration, finished)
 
-    def _deliver(self, step: int, by_client: dict, stats: EngineStats) -> None:
+    def _deliver(self, step: int, by_client: dict, stats: EngineStats, iteration: IterationStats | None,
+                 finished: list[EngineCoreOutput]) -> None:
+        self.metrics.record_step(stats, iteration)
+        for o in finished:
+            self.metrics.record_finished(o)
+        if not by_client:
+            return
         stats_pb = stats_to_proto(stats)
         now = time.time()
         for client_id, outs in by_client.items():
@@ -123,7 +174,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 get = asyncio.create_task(q.get())
                 done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if get in done:
-                    yield get.result()
+                    item = get.result()
+                    if item is _LOOP_DIED:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            f"engine core loop died: {self.loop_runner.error!r}")
+                    yield item
                     continue
                 get.cancel()
                 reader.result()  # re-raise a reader failure
@@ -145,13 +200,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 raise RequestRejected("INVALID_ARGUMENT", "request_id is empty")
             self.core.check_request(req)
         except RequestRejected as exc:
-            log.info("request rejected", extra={"request_id": pb.request_id, "code": exc.code, "reason": exc.message})
             out = EngineCoreOutput(pb.request_id, 0, client_id, [], finish_reason="error",
                                    num_prompt_tokens=len(req.prompt_token_ids), error=(exc.code, exc.message))
+            self.metrics.record_finished(out)  # the request's one log line
             q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)], timestamp=time.time()))
             return
-        log.info("request added", extra={"request_id": pb.request_id, "prompt_tokens": len(req.prompt_token_ids),
-                                         "n": req.sampling_params.n})
+        log.debug("request added", extra={"request_id": client_request_id(pb.request_id),
+                                          "engine_request_id": pb.request_id,
+                                          "prompt_tokens": len(req.prompt_token_ids), "n": req.sampling_params.n})
         self.loop_runner.add(req)
 
     async def GetStats(self, request, context):
@@ -187,7 +243,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
     add_flag(p, "--seed", "TESSERA_SEED", 0, type=int, help="seed of the sampler's shared generator")
     add_flag(p, "--num-threads", "TESSERA_NUM_THREADS", None, type=int, help="torch CPU threads")
+    add_metrics_flag(p, "engine")
     return p.parse_args(argv)
+
+
+def _fault_after_steps() -> int | None:
+    raw = os.environ.get(FAULT_ENV, "").strip()
+    return int(raw) if raw else None
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -203,10 +265,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 async def serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     config.validate()
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     names = [engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name]
     health = Health(server, names)
-    servicer = EngineServicer(config, health)
+    servicer = EngineServicer(config, health, _fault_after_steps())
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
     add_reflection(server, names)
     addr = f"{args.host}:{args.port}"
@@ -214,19 +276,31 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     await health.set(False)
     log.info("engine listening", extra={"addr": addr})
+    metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     load = asyncio.create_task(servicer.load())
+    load.add_done_callback(_report_load_failure)
     await stop.wait()
     log.info("engine stopping")
     await health.set(False)
     load.cancel()
+    if servicer.watcher:
+        servicer.watcher.cancel()  # the loop's end at shutdown is no crash
     await server.stop(grace=2)
     if servicer.loop_runner:
         servicer.loop_runner.stop()
+    if metrics_server:
+        metrics_server.close()
+
+
+def _report_load_failure(task: asyncio.Task) -> None:
+    """A model that fails to load leaves the engine NOT_SERVING; say why."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine failed to load the model; health stays NOT_SERVING", exc_info=task.exception())
 
 
 def main(argv=None) -> None:

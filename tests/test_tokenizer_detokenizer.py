@@ -381,3 +381,69 @@ def test_matcher_ignores_empty_and_duplicate_stops():
     m = StopStringMatcher(["", "a", "a"])
     assert m.stops == ("a",)
     assert StopStringMatcher([""]).feed("text") == ("text", None)
+
+
+def test_matcher_partial_match_with_repeated_characters():
+    # "aaa" ends with "aa", a prefix of "aab": only the first "a" can go.
+    m = StopStringMatcher(["aab"])
+    assert [m.feed(ch) for ch in "aaa"] == [("", None), ("", None), ("a", None)]
+    assert m.feed("b") == ("", "aab")
+    assert StopStringMatcher(["aab"]).feed("aaab") == ("a", "aab")
+    assert StopStringMatcher(["aab"], include_stop_str_in_output=True).feed("aaab") == ("aaab", "aab")
+    m = StopStringMatcher(["aab"])
+    assert m.feed("aaa") == ("a", None)
+    assert m.feed("c") == ("aac", None)  # the match failed: all of it goes
+    m = StopStringMatcher(["abab"])
+    assert m.feed("xabaaba") == ("xaba", None)  # "aba" could still start "abab"; "abaaba" cannot
+    assert m.feed("b") == ("", "abab")
+
+
+def test_matcher_holds_the_longest_partial_match_of_several_stops():
+    m = StopStringMatcher(["abcd", "bce", "cx"])
+    assert m.feed("zabc") == ("z", None)    # "abc" could start "abcd" ("bc": "bce", "c": "cx")
+    assert m.feed("e") == ("a", "bce")      # "bce" completed: cut before it
+    m = StopStringMatcher(["abcd", "bce", "cx"])
+    assert m.feed("zabc") == ("z", None)
+    assert m.feed("y") == ("abcy", None)   # no stop string can start in "abcy" any more
+    m = StopStringMatcher(["xyz", "x"])
+    assert m.feed("ax") == ("a", "x")       # "x" is complete at once; "xyz" never ends first
+    m = StopStringMatcher(["bcd", "abcde"], include_stop_str_in_output=True)
+    assert m.feed("abcde") == ("abcd", "bcd")  # the one that ends first wins
+
+
+def reference_matcher_run(stops: list[str], include: bool, pieces: list[str]) -> list[tuple[str, str | None]]:
+    """What StopStringMatcher.feed should return for each piece, worked out from the whole text so far."""
+    stops = [s for s in stops if s]
+    text, released, out = "", 0, []
+    for piece in pieces:
+        text += piece
+        match = reference_stop(text, stops) if piece else None
+        if match is not None:
+            stop, start, end = match
+            cut = end if include else start
+            out.append((text[released:max(cut, released)], stop))
+            return out
+        hold = 0
+        if not include:
+            hold = max((n for s in stops for n in range(1, min(len(s), len(text) + 1))
+                        if text.endswith(s[:n])), default=0)
+        release_to = max(len(text) - hold, released)
+        out.append((text[released:release_to], None))
+        released = release_to
+    out.append((text[released:], "<flush>"))
+    return out
+
+
+@settings(max_examples=EXAMPLES * 4, deadline=None)
+@given(stops=st.lists(st.text(alphabet="ab<", min_size=1, max_size=5), min_size=1, max_size=4),
+       pieces=st.lists(st.text(alphabet="ab<c", max_size=4), max_size=12), include=st.booleans())
+def test_matcher_equals_the_reference_on_repetitive_text(stops, pieces, include):
+    m = StopStringMatcher(stops, include_stop_str_in_output=include)
+    got = []
+    for piece in pieces:
+        got.append(m.feed(piece))
+        if got[-1][1] is not None:
+            break
+    else:
+        got.append((m.flush(), "<flush>"))
+    assert got == reference_matcher_run(stops, include, pieces)

@@ -46,38 +46,54 @@ class IncrementalDecoder:
         prompt_token_ids: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
+        self._decode_ids = tokenizer.decode  # (ids, skip_special_tokens) -> str
         self._skip = skip_special_tokens
-        # Only the window is kept: ids before `_prefix` are dropped as it moves.
+        # Only the window is kept: ids before it are dropped as it moves, so the window
+        # always starts at ids[0] (a character boundary).
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._prefix = 0                 # window start (a character boundary)
         self._read = len(self._ids)      # ids[:read] are emitted (or prompt context)
-        self._prefix_text = self._decode(self._ids)  # decode of ids[prefix:read]
+        self._prefix_text = self._decode(self._ids)  # decode of ids[:read]
         # Characters emitted past `_prefix_text` while the window still ended in an
         # incomplete character (the complete text before it is already final).
         self._extra = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._decode_ids(ids, self._skip)
 
     def step(self, token_ids: Sequence[int]) -> str:
         """Add new token ids; return the text they complete ("" when none yet)."""
-        self._ids.extend(token_ids)
-        text = self._decode(self._ids[self._prefix:])
-        complete = not text.endswith(_REPLACEMENT)
+        ids = self._ids
+        ids.extend(token_ids)
+        text = self._decode_ids(ids, self._skip)
+        prefix_text = self._prefix_text
+        if text[-1:] != _REPLACEMENT:
+            # Complete: everything up to the end is emitted (the inline `_advance`).
+            if text.startswith(prefix_text):
+                delta = text[len(prefix_text) + self._extra:]
+            else:
+                delta = self._diverged(text)
+            previous_read = self._read
+            self._extra = 0
+            if previous_read >= _WINDOW_TOKENS:
+                # previous_read is a character boundary: restart the window there.
+                del ids[:previous_read]
+                self._read = len(ids)
+                self._prefix_text = self._decode_ids(ids, self._skip)
+            else:
+                self._read = len(ids)
+                self._prefix_text = text
+            return delta
         # Text before a trailing incomplete character is final; the character is not yet.
-        final = text if complete else text.rstrip(_REPLACEMENT)
+        final = text.rstrip(_REPLACEMENT)
         delta = self._new_part(final)
-        if complete:
-            self._advance(text)
-        else:
-            self._extra += len(delta)
+        self._extra += len(delta)
         return delta
 
     def flush(self) -> str:
         """The text still held back (an incomplete character decodes to U+FFFD); call once at the end."""
         if self._read == len(self._ids):
             return ""
-        text = self._decode(self._ids[self._prefix:])
+        text = self._decode(self._ids)
         delta = self._new_part(text)
         self._advance(text)
         return delta
@@ -86,6 +102,9 @@ class IncrementalDecoder:
         """The part of `text` (a decode of the window) not emitted yet."""
         if text.startswith(self._prefix_text):
             return text[len(self._prefix_text) + self._extra:]
+        return self._diverged(text)
+
+    def _diverged(self, text: str) -> str:
         # The emitted part decodes differently now: the prompt context ended inside a
         # character that the new tokens complete. Emit from where the two differ.
         return text[len(os.path.commonprefix([text, self._prefix_text])) + self._extra:]
@@ -94,11 +113,10 @@ class IncrementalDecoder:
         """Everything up to the end is emitted; move the window up when it grew long."""
         previous_read, self._read = self._read, len(self._ids)
         self._extra = 0
-        if previous_read - self._prefix >= _WINDOW_TOKENS:
+        if previous_read >= _WINDOW_TOKENS:
             # previous_read is a character boundary: restart the window there.
             del self._ids[:previous_read]
             self._read -= previous_read
-            self._prefix = 0
             self._prefix_text = self._decode(self._ids)
         else:
             self._prefix_text = text
@@ -116,29 +134,70 @@ class StopStringMatcher:
         self.stops = tuple(dict.fromkeys(s for s in stop if s))
         self.include = include_stop_str_in_output
         self._max_len = max((len(s) for s in self.stops), default=0)
+        # (stop, its length, its first character), for the searches
+        self._specs = tuple((s, len(s), s[0]) for s in self.stops)
         self._text = ""       # recent text: unreleased, plus context for matches across pieces
         self._released = 0    # self._text[:released] has been released
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """Add text; return (text to release now, the stop string if one completed)."""
-        if not self.stops or not text:
+        if not text or not self.stops:
             return text, None
         old_len = len(self._text)
-        self._text += text
-        match = self._find(old_len)
-        if match is not None:
-            start, stop = match
-            end = start + len(stop) if self.include else start
-            released = self._text[self._released:max(end, self._released)]
+        buf = self._text + text
+        length = len(buf)
+        # One pass over the stop strings finds the one that ends first among those the
+        # new text completes and, in case none does, the longest end of the text that
+        # could still start one (done in the same loop, to share the search).
+        best_end = best_len = longest = 0
+        best_stop = None
+        hold = not self.include
+        for stop, n, first in self._specs:
+            # A match completed by the new text starts at or after `lo`; so does any
+            # partial match. Neither can start before the first `first` from there.
+            lo = old_len - n + 1
+            if lo < 0:
+                lo = 0
+            i = buf.find(first, lo)
+            if i == -1:
+                continue
+            start = buf.find(stop, i)
+            if start != -1:
+                end = start + n
+                if best_stop is None or end < best_end or (end == best_end and n > best_len):
+                    best_end, best_len, best_stop = end, n, stop
+            elif hold and best_stop is None:
+                # Suffixes buf[j:] of a length in (longest, n - 1], earliest (longest) first.
+                j = length - n + 1
+                if j < i:
+                    j = i
+                hi = length - longest
+                j = buf.find(first, j, hi)
+                while j != -1:
+                    if stop.startswith(buf[j:]):
+                        longest = length - j
+                        break
+                    j = buf.find(first, j + 1, hi)
+        released_to = self._released
+        if best_stop is not None:
+            end = best_end if self.include else best_end - best_len
+            released = buf[released_to:end] if end > released_to else ""
             self._text, self._released = "", 0
-            return released, stop
-        hold = 0 if self.include else self._partial_match_len()
-        release_to = max(len(self._text) - hold, self._released)
-        released = self._text[self._released:release_to]
+            return released, best_stop
+        release_to = length - longest
+        if release_to < released_to:
+            release_to = released_to
+        released = buf[released_to:release_to]
         # Keep only what a later match could still need.
-        keep_from = max(0, min(release_to, len(self._text) - self._max_len + 1))
-        self._text = self._text[keep_from:]
-        self._released = release_to - keep_from
+        keep_from = length - self._max_len + 1
+        if keep_from > release_to:
+            keep_from = release_to
+        if keep_from > 0:
+            self._text = buf[keep_from:]
+            self._released = release_to - keep_from
+        else:
+            self._text = buf
+            self._released = release_to
         return released, None
 
     def flush(self) -> str:
@@ -146,31 +205,6 @@ class StopStringMatcher:
         released = self._text[self._released:]
         self._text, self._released = "", 0
         return released
-
-    def _find(self, old_len: int) -> tuple[int, str] | None:
-        """(start, stop) of the stop string that ends first among those completed by new text."""
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
-        for stop in self.stops:
-            start = self._text.find(stop, max(0, old_len - len(stop) + 1))
-            if start != -1:
-                key = (start + len(stop), -len(stop), stop)
-                if best is None or key < best:
-                    best = key
-        if best is None:
-            return None
-        end, neg_len, stop = best
-        return end + neg_len, stop
-
-    def _partial_match_len(self) -> int:
-        """Length of the longest end of the text that is a proper prefix of a stop string."""
-        text = self._text
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +215,19 @@ class DetokenizeOutput:
     stop_matched: str | None  # the stop string that ended the request, if one did
     tokens_consumed: int      # new token ids used; those after a stop string's end are dropped
     finished: bool            # no more output will come
+
+
+def _output(text: str, stop_matched: str | None, tokens_consumed: int, finished: bool,
+            _new=object.__new__, _cls=DetokenizeOutput) -> DetokenizeOutput:
+    """A DetokenizeOutput, built without the frozen dataclass's `__init__` (one per token:
+    its object.__setattr__ calls cost more than the rest of a step's bookkeeping)."""
+    out = _new(_cls)
+    fields = out.__dict__
+    fields["text"] = text
+    fields["stop_matched"] = stop_matched
+    fields["tokens_consumed"] = tokens_consumed
+    fields["finished"] = finished
+    return out
 
 
 class IncrementalDetokenizer:
@@ -201,27 +248,39 @@ class IncrementalDetokenizer:
     def step(self, token_ids: Sequence[int], finished: bool = False) -> DetokenizeOutput:
         """Add a step's new token ids; with `finished`, also flush everything held back."""
         if self.finished:
-            return DetokenizeOutput("", None, 0, True)
-        if not self._stops.stops:
+            return _output("", None, 0, True)
+        stops = self._stops
+        if not stops.stops:
             # No stop strings: the whole step decodes at once.
             text = self._decoder.step(token_ids) if token_ids else ""
             if finished:
                 text += self._decoder.flush()
                 self.finished = True
-            return DetokenizeOutput(text, None, len(token_ids), finished)
+            return _output(text, None, len(token_ids), finished)
 
-        pieces: list[str] = []
-        for i, token_id in enumerate(token_ids):
-            released, stop = self._stops.feed(self._decoder.step((token_id,)))
-            pieces.append(released)
+        decode, feed = self._decoder.step, stops.feed
+        if len(token_ids) == 1:
+            # The common case (one token per engine step): no per-token loop.
+            released, stop = feed(decode(token_ids))
             if stop is not None:
                 self.finished = True
-                return DetokenizeOutput("".join(pieces), stop, i + 1, True)
+                return _output(released, stop, 1, True)
+            if not finished:
+                return _output(released, None, 1, False)
+            pieces = [released]
+        else:
+            pieces = []
+            for i, token_id in enumerate(token_ids):
+                released, stop = feed(decode((token_id,)))
+                pieces.append(released)
+                if stop is not None:
+                    self.finished = True
+                    return _output("".join(pieces), stop, i + 1, True)
         if finished:
-            released, stop = self._stops.feed(self._decoder.flush())
+            released, stop = feed(self._decoder.flush())
             pieces.append(released)
             if stop is None:
-                pieces.append(self._stops.flush())
+                pieces.append(stops.flush())
             self.finished = True
-            return DetokenizeOutput("".join(pieces), stop, len(token_ids), True)
-        return DetokenizeOutput("".join(pieces), None, len(token_ids), False)
+            return _output("".join(pieces), stop, len(token_ids), True)
+        return _output("".join(pieces), None, len(token_ids), False)

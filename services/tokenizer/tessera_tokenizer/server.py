@@ -5,12 +5,16 @@ A thin adapter: validation and proto conversion here, the work in `tokenizer` an
 background thread, then turns SERVING; calls made before that get UNAVAILABLE.
 
 Run with `python -m tessera_tokenizer --port N` (flags below, each with an env fallback).
+Prometheus metrics (see `metrics`) and an HTTP /health that agrees with grpc.health.v1 are
+served on `--metrics-port`. Every request that ends on a DetokenizeStream gets one
+structured log line ("detokenize request ended") tagged with the client's request id.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import functools
 import logging
 import signal
 import threading
@@ -20,9 +24,11 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import grpc
 
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_service import CHANNEL_OPTIONS, Health, add_reflection, request_id_from
-from tessera.common.logs import setup_logging
+from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection, request_id_from
+from tessera.common.logs import client_request_id, setup_logging
+from tessera.common.metrics import add_metrics_flag, start_metrics_server
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tessera_tokenizer import metrics
 from tessera_tokenizer.detokenizer import IncrementalDetokenizer
 from tessera_tokenizer.tokenizer import CHAT_ROLES, Encoding, Tokenizer
 
@@ -66,62 +72,81 @@ class DetokenizeSession:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, IncrementalDetokenizer] = {}
+        self._vocab_size = tokenizer.vocab_size
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # per open request, for its log line: [opened (monotonic), tokens in, characters out]
+        self._tally: dict[str, list] = {}
 
     def process(self, message: tokenizer_pb2.DetokenizeStreamRequest) -> tokenizer_pb2.DetokenizeStreamResponse:
         """One inbound message (one engine step) to one reply, results in item order."""
         response = tokenizer_pb2.DetokenizeStreamResponse()
         results = response.results
-        for item in message.items:
+        add = results.add
+        for i, item in enumerate(message.items):
             try:
-                results.append(self._item(item))
+                self._item(item, add)
             except InvalidInput as exc:
+                del results[i:]  # (nothing was added for this item; keep it so)
                 results.append(self._fail(item.request_id, "INVALID_ARGUMENT", str(exc)))
             except Exception as exc:  # a bug must not break the other requests on the stream
                 log.exception("detokenize item failed", extra={"request_id": item.request_id})
+                del results[i:]
                 results.append(self._fail(item.request_id, "INTERNAL", f"internal error: {exc}"))
         return response
 
-    def _item(self, item: tokenizer_pb2.DetokenizeItem) -> tokenizer_pb2.DetokenizeResult:
+    def _item(self, item: tokenizer_pb2.DetokenizeItem, add: Callable[..., tokenizer_pb2.DetokenizeResult]) -> None:
+        """Handle one item; its result is added (with `add`, in place) only once it is complete."""
         rid = item.request_id
         if not rid:
             raise InvalidInput("request_id: must not be empty")
         request = self.requests.get(rid)
         if item.cancel:
-            self.requests.pop(rid, None)
-            log.debug("detokenize request cancelled", extra={"request_id": rid})
-            return tokenizer_pb2.DetokenizeResult(request_id=rid, finished=True)
+            if self.requests.pop(rid, None) is not None:
+                self._log_end(rid, "cancel")
+            add(request_id=rid, finished=True)
+            return
         if item.HasField("open"):
             if request is not None:
                 # The open request stays as it is; only this item is refused.
-                return tokenizer_pb2.DetokenizeResult(
-                    request_id=rid, finished=True,
-                    error={"code": "INVALID_ARGUMENT", "message": f"open: request id {rid!r} is already open"},
-                )
+                add(request_id=rid, finished=True,
+                    error={"code": "INVALID_ARGUMENT", "message": f"open: request id {rid!r} is already open"})
+                return
             request = self._open(rid, item.open)
         elif request is None:
             if rid in self._ended:
                 # Tokens generated after this request ended here (e.g. on a stop string).
-                return tokenizer_pb2.DetokenizeResult(request_id=rid, finished=True)
+                add(request_id=rid, finished=True)
+                return
             request = self._open(rid, None)
 
-        bad = self.tokenizer.first_invalid_id(item.new_token_ids)
-        if bad is not None:
+        # A list: min/max/len/extend on the proto's repeated field cost far more.
+        ids = item.new_token_ids[:]
+        if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):
+            bad = self.tokenizer.first_invalid_id(ids)
             raise InvalidInput(f"new_token_ids: token id {bad} is out of range [0, {self.tokenizer.vocab_size})")
-        out = request.step(item.new_token_ids, finished=item.finished)
+        out = request.step(ids, finished=item.finished)
+        tally = self._tally[rid]
+        tally[1] += len(ids)
+        tally[2] += len(out.text)
         if out.finished:
             del self.requests[rid]
             if out.stop_matched is not None:
                 self._remember_ended(rid)
-            log.debug("detokenize request finished",
-                      extra={"request_id": rid, "stop_matched": out.stop_matched})
-        return tokenizer_pb2.DetokenizeResult(
-            request_id=rid,
-            text_delta=out.text,
-            stop_matched=out.stop_matched,
-            tokens_consumed=out.tokens_consumed,
-            finished=out.finished,
-        )
+            if out.stop_matched is None:
+                self._log_end(rid, "finished")
+            else:
+                self._log_end(rid, "stop", stop_matched=out.stop_matched, tokens_consumed=out.tokens_consumed)
+        # Built in place, setting only fields that differ from their defaults.
+        result = add()
+        result.request_id = rid
+        if out.text:
+            result.text_delta = out.text
+        if out.stop_matched is not None:
+            result.stop_matched = out.stop_matched
+        if out.tokens_consumed:
+            result.tokens_consumed = out.tokens_consumed
+        if out.finished:
+            result.finished = True
 
     def _open(self, rid: str, spec: tokenizer_pb2.DetokenizeOpen | None) -> IncrementalDetokenizer:
         if spec is None:
@@ -141,24 +166,63 @@ class DetokenizeSession:
                 prompt_token_ids=list(spec.prompt_token_ids),
             )
         self.requests[rid] = request
+        self._tally[rid] = [time.monotonic(), 0, 0]
         self._ended.pop(rid, None)
-        log.debug("detokenize request opened", extra={"request_id": rid})
+        log.debug("detokenize request opened", extra={"request_id": client_request_id(rid),
+                                                      "engine_request_id": rid})
         return request
 
     def _fail(self, rid: str, code: str, message: str) -> tokenizer_pb2.DetokenizeResult:
         """End request `rid` with an error result."""
-        log.warning("detokenize item rejected: %s", message, extra={"request_id": rid})
         if rid:
             self.requests.pop(rid, None)
             self._remember_ended(rid)
+        self._log_end(rid, "error", level=logging.WARNING, error_code=code, error=message)
         return tokenizer_pb2.DetokenizeResult(
             request_id=rid, finished=True, error={"code": code, "message": message})
+
+    def close(self) -> None:
+        """The stream ended: the requests still open end with it."""
+        for rid in list(self.requests):
+            self._log_end(rid, "stream_closed")
+        self.requests.clear()
+
+    def _log_end(self, rid: str, outcome: str, level: int = logging.INFO, **fields) -> None:
+        """The request's one log line, and its outcome counted."""
+        metrics.OUTCOMES[outcome].inc()
+        tally = self._tally.pop(rid, None)
+        line = {"request_id": client_request_id(rid), "engine_request_id": rid, "outcome": outcome}
+        if tally is not None:
+            line.update(tokens=tally[1], text_chars=tally[2], seconds=round(time.monotonic() - tally[0], 6))
+        line.update((k, v) for k, v in fields.items() if v is not None)
+        log.log(level, "detokenize request ended", extra=line)
 
     def _remember_ended(self, rid: str) -> None:
         self._ended[rid] = None
         self._ended.move_to_end(rid)
         while len(self._ended) > self.MAX_ENDED:
             self._ended.popitem(last=False)
+
+
+def _counted(method: str):
+    """Count a unary call in tessera:tokenizer_requests_total by its gRPC status code."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def counted(self, request, context):
+            code = "OK"
+            try:
+                return await handler(self, request, context)
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
+            except BaseException:
+                status = context.code()
+                code = status.name if isinstance(status, grpc.StatusCode) else "UNKNOWN"
+                raise
+            finally:
+                metrics.REQUESTS.labels(method, code).inc()
+        return counted
+    return wrap
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -178,6 +242,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         log.info("%s rejected: %s", method, exc, extra={"request_id": request_id_from(context)})
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
+    @_counted("Tokenize")
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context) -> tokenizer_pb2.TokenizeResponse:
         tokenizer = await self._ready(context)
         started = time.perf_counter()
@@ -186,8 +251,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             response = await _run(lambda: _tokenize_response(encode()), size > _INLINE_CHARS)
         except InvalidInput as exc:
             await self._invalid(context, "Tokenize", exc)
+        seconds = time.perf_counter() - started
+        (metrics.TOKENIZE_CHAT if request.WhichOneof("input") == "chat" else metrics.TOKENIZE_TEXT).observe(seconds)
+        metrics.TOKENIZED.inc(len(response.token_ids))
         log.debug("tokenized", extra={"request_id": request_id_from(context), "tokens": len(response.token_ids),
-                                      "ms": round((time.perf_counter() - started) * 1e3, 3)})
+                                      "ms": round(seconds * 1e3, 3)})
         return response
 
     def _tokenize_job(self, tokenizer: Tokenizer, request: tokenizer_pb2.TokenizeRequest) -> tuple[Callable, int]:
@@ -228,8 +296,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             return encode_chat, size + 64 * len(messages)  # template work grows with the count
         raise InvalidInput("input: set either text or chat")
 
+    @_counted("Detokenize")
     async def Detokenize(self, request: tokenizer_pb2.DetokenizeRequest, context) -> tokenizer_pb2.DetokenizeResponse:
         tokenizer = await self._ready(context)
+        started = time.perf_counter()
         ids = list(request.token_ids)
         bad = tokenizer.first_invalid_id(ids)
         if bad is not None:
@@ -237,6 +307,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 f"token_ids: token id {bad} is out of range [0, {tokenizer.vocab_size})"))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await _run(lambda: tokenizer.decode(ids, skip), len(ids) > _INLINE_TOKENS)
+        metrics.DETOKENIZE_UNARY.observe(time.perf_counter() - started)
+        metrics.DETOKENIZED.inc(len(ids))
         log.debug("detokenized", extra={"request_id": request_id_from(context), "tokens": len(ids)})
         return tokenizer_pb2.DetokenizeResponse(text=text)
 
@@ -246,15 +318,27 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         tokenizer = await self._ready(context)
         session = DetokenizeSession(tokenizer)
         stream_id = request_id_from(context)
-        log.info("detokenize stream opened", extra={"request_id": stream_id})
+        log.info("detokenize stream opened", extra={"stream_id": stream_id, "peer": context.peer()})
+        metrics.STREAMS_ACTIVE.inc()
         try:
             async for message in request_iterator:
                 tokens = sum(len(item.new_token_ids) for item in message.items)
-                yield await _run(lambda: session.process(message), tokens > _INLINE_TOKENS)
+                before = len(session.requests)
+                started = time.perf_counter()
+                reply = await _run(lambda: session.process(message), tokens > _INLINE_TOKENS)
+                metrics.DETOKENIZE_STREAM.observe(time.perf_counter() - started)
+                metrics.DETOKENIZED.inc(tokens)
+                if len(session.requests) != before:
+                    metrics.STREAM_REQUESTS_ACTIVE.inc(len(session.requests) - before)
+                yield reply
         finally:
-            log.info("detokenize stream closed", extra={"request_id": stream_id,
+            metrics.STREAMS_ACTIVE.dec()
+            metrics.STREAM_REQUESTS_ACTIVE.dec(len(session.requests))
+            log.info("detokenize stream closed", extra={"stream_id": stream_id,
                                                         "open_requests": len(session.requests)})
+            session.close()
 
+    @_counted("GetModelInfo")
     async def GetModelInfo(self, request: tokenizer_pb2.ModelInfoRequest, context) -> tokenizer_pb2.ModelInfo:
         tokenizer = await self._ready(context)
         info = tokenizer.info
@@ -290,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              help="longest text (or total chat content) Tokenize accepts, in characters")
     add_flag(parser, "--max-messages", "TESSERA_MAX_MESSAGES", 1024, type=int,
              help="most chat messages Tokenize accepts")
+    add_metrics_flag(parser, "tokenizer")
     return parser.parse_args(argv)
 
 
@@ -320,7 +405,7 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 
 async def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = TokenizerServicer(args.max_input_chars, args.max_messages)
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
@@ -334,6 +419,7 @@ async def serve(args: argparse.Namespace) -> int:
     await health.set(False)
     await server.start()
     log.info("listening", extra={"address": f"{host}:{port}"})
+    metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -364,6 +450,8 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("shutting down")
     await health.set(False)
     await server.stop(_SHUTDOWN_GRACE_S)
+    if metrics_server is not None:
+        metrics_server.close()
     log.info("stopped")
     return code
 

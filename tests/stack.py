@@ -6,6 +6,11 @@
 SERVING on grpc.health.v1. If a process dies or stays NOT_SERVING past the
 timeout, the error shows the tail of its log. `Stack.stop()` terminates them all.
 
+The frontend also serves its OpenAI-compatible HTTP API on a free port
+(`Stack.http_url`). `frontend_service()` makes an extra frontend process (its own
+flags) in front of running backends, for tests that need a differently configured
+frontend without loading the model again.
+
 Use the session-scoped `stack` fixture (import it into a test module, or list
 this module in `pytest_plugins`); it starts one stack per test session however
 many modules use it. Environment knobs:
@@ -14,6 +19,9 @@ many modules use it. Environment knobs:
     TESSERA_TEST_ENGINE_ARGS       extra engine flags, space-separated
     TESSERA_TEST_TOKENIZER_ARGS    extra tokenizer flags
     TESSERA_TEST_FRONTEND_ARGS     extra frontend flags
+
+Each service also gets a free metrics port (env TESSERA_METRICS_PORT; `Service.metrics_url`),
+and `Service.env` adds environment variables for one process (e.g. fault injection).
 """
 from __future__ import annotations
 
@@ -54,21 +62,34 @@ def health_status(channel: grpc.Channel, service: str = "", timeout: float = 2.0
 
 @dataclasses.dataclass
 class Service:
-    """One service process: its name, module, port and log file."""
+    """One service process: its name, module, port and log file (and HTTP port, for a frontend)."""
     name: str
     module: str
     port: int
     args: list[str]
     log_path: pathlib.Path
     process: subprocess.Popen | None = None
+    metrics_port: int = dataclasses.field(default_factory=free_port)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    host: str = HOST                 # loopback address to bind (127.0.0.x)
+    http_port: int | None = None     # a frontend's OpenAI-compatible HTTP API
 
     @property
     def addr(self) -> str:
-        return f"{HOST}:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}"
 
     def start(self) -> None:
-        env = dict(os.environ, TESSERA_BIND_HOST=HOST, PYTHONUNBUFFERED="1")
-        with open(self.log_path, "wb") as log:
+        env = {**os.environ, "TESSERA_BIND_HOST": self.host, "PYTHONUNBUFFERED": "1",
+               "TESSERA_METRICS_PORT": str(self.metrics_port), **self.env}
+        with open(self.log_path, "ab") as log:  # a restarted process appends to its log
             self.process = subprocess.Popen(
                 [sys.executable, "-m", self.module, "--port", str(self.port), *self.args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -106,6 +127,22 @@ class Service:
             self.process.kill()
             self.process.wait(5)
 
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, as a crashed or OOM-killed one does."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def frontend_service(name: str, tokenizer_addr: str, engine_addrs: str, log_dir: pathlib.Path,
+                     *args: str) -> Service:
+    """A frontend process (not started) with its own gRPC and HTTP ports in front of these backends."""
+    http_port = free_port()
+    return Service(name, "tessera_frontend", free_port(),
+                   ["--tokenizer-addr", tokenizer_addr, "--engine-addrs", engine_addrs,
+                    "--http-port", str(http_port), *args],
+                   log_dir / f"{name}.log", http_port=http_port)
+
 
 class Stack:
     """Tokenizer + engine + frontend processes and client stubs for each."""
@@ -117,11 +154,8 @@ class Stack:
                                  extra("TESSERA_TEST_TOKENIZER_ARGS"), self.log_dir / "tokenizer.log")
         self.engine = Service("engine", "tessera_engine", free_port(),
                               extra("TESSERA_TEST_ENGINE_ARGS"), self.log_dir / "engine.log")
-        self.frontend = Service("frontend", "tessera_frontend", free_port(),
-                                ["--tokenizer-addr", self.tokenizer.addr,
-                                 "--engine-addrs", self.engine.addr,
-                                 *extra("TESSERA_TEST_FRONTEND_ARGS")],
-                                self.log_dir / "frontend.log")
+        self.frontend = frontend_service("frontend", self.tokenizer.addr, self.engine.addr, self.log_dir,
+                                         *extra("TESSERA_TEST_FRONTEND_ARGS"))
         self.services = [self.tokenizer, self.engine, self.frontend]
         self._channels: list[grpc.Channel] = []
 
@@ -140,6 +174,11 @@ class Stack:
         self.tokenizer_stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel(self.tokenizer.addr))
         self.engine_stub = engine_pb2_grpc.EngineServiceStub(self._channel(self.engine.addr))
         return self
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the frontend's OpenAI-compatible HTTP API (append /v1/...)."""
+        return self.frontend.http_url
 
     def _channel(self, addr: str) -> grpc.Channel:
         channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
@@ -171,3 +210,17 @@ def stack():
     if _shared is not None:
         _shared.stop()
         _shared = None
+
+
+def wait_engine_idle(engine_stub, seconds: float = 3.0):
+    """Poll an engine until nothing runs or waits and every KV block is free; return its last EngineStats."""
+    from tessera.v1 import engine_pb2
+
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = engine_stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+        idle = (stats.num_running == 0 and stats.num_waiting == 0
+                and stats.num_blocks_free == stats.num_blocks_total)
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)

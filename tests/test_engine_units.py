@@ -67,6 +67,17 @@ def test_prefix_cache_reuses_full_blocks_and_leaves_one_token():
     assert kv.find_cached_prefix(d)[1] == 0
 
 
+def test_prompt_logprobs_request_reads_no_cached_prefix():
+    """Prompt logprobs need every prompt position computed, so such a request skips the cache
+    (its blocks are still cached for the others)."""
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    a = make_req("a", 12, prompt_logprobs=1)
+    assert kv.find_cached_prefix(a) == ([], 0)
+    assert kv.allocate(a, 12)
+    assert kv.find_cached_prefix(make_req("b", 13, prompt_logprobs=1)) == ([], 0)
+    assert kv.find_cached_prefix(make_req("c", 13))[1] == 12
+
+
 def test_shared_blocks_are_refcounted_and_cached_blocks_evicted_lru():
     kv = KVCacheManager(num_blocks=6, block_size=4)
     a = make_req("a", 8)

@@ -1,4 +1,4 @@
-"""Request validation of the frontend.
+"""Request validation of the frontend's gRPC API (the HTTP API's is in test_openai_api.py).
 
 The first tests call the pure validation function; the rest send bad requests to
 the real stack and check the INVALID_ARGUMENT status names the offending field,
@@ -11,7 +11,7 @@ import pytest
 
 from stack import stack  # noqa: F401  (the session fixture)
 from tessera.v1 import common_pb2, engine_pb2, frontend_pb2, tokenizer_pb2
-from tessera_frontend.grpc_api import Limits, ValidationError, validate_request
+from tessera_frontend.validation import Limits, ValidationError, validate_request
 
 LIMITS = Limits(max_n=16, max_logprobs=20, max_stop=16)
 
@@ -39,6 +39,11 @@ BAD_PARAMS = [
     ("frequency_penalty", dict(frequency_penalty=2.5)),
     ("frequency_penalty", dict(frequency_penalty=-2.5)),
     ("stop", dict(stop=[f"s{i}" for i in range(17)])),
+    ("stop", dict(stop=[""])),
+    ("stop", dict(stop=["x" * 1025])),
+    ("stop_token_ids", dict(stop_token_ids=[-1])),
+    ("stop_token_ids", dict(stop_token_ids=list(range(1025)))),
+    ("top_p", dict(top_p=float("inf"))),
 ]
 
 GOOD_PARAMS = [
@@ -81,6 +86,17 @@ def test_validate_rejects_empty_prompt(request_):
         validate_request(request_, LIMITS)
 
 
+def test_validate_rejects_bad_roles_and_ids():
+    chat = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content="a"),
+                                                tokenizer_pb2.ChatMessage(role="robot", content="b")])
+    with pytest.raises(ValidationError, match=r"^prompt: chat.messages\[1\]: role"):
+        validate_request(frontend_pb2.GenerateRequest(chat=chat), LIMITS)
+    with pytest.raises(ValidationError, match=r"^request_id:"):
+        validate_request(frontend_pb2.GenerateRequest(request_id="x" * 300, text="hi"), LIMITS)
+    with pytest.raises(ValidationError, match=r"^request_id:"):
+        validate_request(frontend_pb2.GenerateRequest(request_id="a\nb", text="hi"), LIMITS)
+
+
 def _expect_invalid(call, field: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         call()
@@ -120,6 +136,23 @@ def test_stack_rejects_token_ids_outside_vocab(stack):
     info = stack.tokenizer_stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=10)
     request = frontend_pb2.GenerateRequest(token_ids=frontend_pb2.TokenIds(ids=[1, info.vocab_size]))
     _expect_invalid(lambda: list(stack.frontend_stub.Generate(request, timeout=30)), "token_ids")
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(
+        _request(stop_token_ids=[info.vocab_size]), timeout=30)), "stop_token_ids")
+
+
+def test_stack_checks_min_tokens_against_the_default_max_tokens(stack):
+    # max_tokens absent means 16 (vLLM's default): min_tokens 20 cannot be honoured.
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(_request(min_tokens=20), timeout=30)),
+                    "min_tokens")
+
+
+def test_stack_rejects_bad_roles_and_request_ids(stack):
+    chat = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="robot", content="hi")])
+    _expect_invalid(lambda: list(stack.frontend_stub.Generate(frontend_pb2.GenerateRequest(chat=chat),
+                                                               timeout=30)), "role")
+    _expect_invalid(lambda: stack.frontend_stub.Complete(_request(), timeout=30,
+                                                         metadata=(("x-request-id", "x" * 300),)),
+                    "x-request-id")
 
 
 def test_stack_answers_after_bad_requests(stack):

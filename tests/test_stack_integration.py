@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stack import health_status, stack  # noqa: F401  (the session fixture)
+from stack import wait_engine_idle as _wait_engine_idle
 from tessera.v1 import common_pb2, engine_pb2, frontend_pb2, tokenizer_pb2
 
 QUESTION = "What is the capital of France? Answer in one word."
@@ -34,15 +35,7 @@ def joined(responses, index: int = 0) -> tuple[str, list[int]]:
 
 
 def wait_engine_idle(stack, seconds: float = 3.0) -> engine_pb2.EngineStats:
-    """Poll the engine until nothing runs or waits and every KV block is free; return the stats."""
-    deadline = time.monotonic() + seconds
-    while True:
-        stats = stack.engine_stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
-        idle = (stats.num_running == 0 and stats.num_waiting == 0
-                and stats.num_blocks_free == stats.num_blocks_total)
-        if idle or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
+    return _wait_engine_idle(stack.engine_stub, seconds)
 
 
 def test_greedy_chat_answer(stack):
@@ -194,3 +187,40 @@ def test_concurrent_requests_do_not_mix(stack):
     for result in results:
         assert "Paris" in result.choices[0].text
         assert result.usage.completion_tokens == len(result.choices[0].token_ids)
+
+
+def test_prompt_as_text_and_as_token_ids(stack):
+    prompt = "The capital of France is"
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=8)
+    by_text = stack.frontend_stub.Complete(frontend_pb2.GenerateRequest(text=prompt, sampling_params=params),
+                                           timeout=120)
+    ids = stack.tokenizer_stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=prompt), timeout=10).token_ids
+    by_ids = stack.frontend_stub.Complete(frontend_pb2.GenerateRequest(
+        token_ids=frontend_pb2.TokenIds(ids=ids), sampling_params=params), timeout=120)
+    assert by_text.choices[0].token_ids == by_ids.choices[0].token_ids
+    assert by_text.choices[0].text == by_ids.choices[0].text and by_text.choices[0].text
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_every_sampling_field_and_priority(stack):
+    """A request setting every SamplingParams field (and a priority) streams n choices with logprobs."""
+    params = common_pb2.SamplingParams(
+        temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=11, repetition_penalty=1.1,
+        presence_penalty=0.5, frequency_penalty=0.5, stop=["\n\n\n"], stop_token_ids=[0], max_tokens=10,
+        min_tokens=2, ignore_eos=False, n=2, logprobs=1, prompt_logprobs=1, skip_special_tokens=True,
+        include_stop_str_in_output=False)
+    responses = list(stack.frontend_stub.Generate(frontend_pb2.GenerateRequest(
+        request_id="every-field", chat=chat(QUESTION), sampling_params=params, priority=-3), timeout=120))
+    assert {r.request_id for r in responses} == {"every-field"}
+    finals = [r for r in responses if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
+    assert sorted(r.index for r in finals) == [0, 1]
+    for r in responses:
+        assert len(r.logprobs) == len(r.token_ids)
+        assert all(len(p.top) == 1 and p.chosen.token for p in r.logprobs)
+    counts = [len(joined(responses, i)[1]) for i in (0, 1)]
+    assert all(2 <= c <= 10 for c in counts)
+    assert responses[-1].usage.completion_tokens == sum(counts)
+    with_prompt = [r for r in responses if r.prompt_logprobs]
+    assert len(with_prompt) == 1  # once, on the first message
+    # one per prompt position (the first has no candidates), even when the prompt is cached
+    assert len(with_prompt[0].prompt_logprobs) == responses[-1].usage.prompt_tokens

@@ -86,9 +86,12 @@ class KVCacheManager:
         """Longest cached prefix of a request about to be scheduled from scratch.
 
         Returns (block ids, number of tokens they hold). At least one token is
-        always left to compute, since its logits are needed to sample.
+        always left to compute, since its logits are needed to sample. A request that
+        still wants its prompt logprobs reads nothing from the cache (as in vLLM): every
+        prompt position must go through the model (its blocks are still cached for others).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or (req.params.prompt_logprobs is not None
+                                              and not req.prompt_logprobs_done):
             return [], 0
         max_tokens = req.num_tokens - 1
         hashes = self._block_hashes(req, max_tokens)

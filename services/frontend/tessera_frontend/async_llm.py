@@ -7,6 +7,11 @@ finished. If the consumer goes away first (the call is cancelled or the generato
 is closed), the request is aborted in the engine and cancelled on the detokenize
 stream. Failures surface as `GenerateError(code, message)`.
 
+Besides the field ranges the API layer checks (`validation`), generate() checks
+what needs the model: token ids inside the vocabulary, min_tokens <= max_tokens
+once defaults apply, and prompt + max_tokens within the model's length and the
+engines' KV cache; each is INVALID_ARGUMENT naming the field.
+
 Inside, the request runs under an engine request id "<request_id>-<random>": unique
 per attempt (two frontends, or a client reusing its id, never collide in the
 engine), and still greppable by the client's id in every service's logs.
@@ -56,6 +61,9 @@ class GenerationOutput:
     finish_reason: int
     stop_reason: str | None
     usage: common_pb2.Usage | None = None
+    stop_token_id: int | None = None  # the stop_token_ids entry that ended the choice
+    prompt_logprobs: list[common_pb2.PositionLogprobs] | None = None  # on the first output, when asked
+    num_prompt_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -71,13 +79,21 @@ class AsyncLLM:
         self.processor = OutputProcessor(tokenizer, engine.abort)
 
     def start(self) -> None:
-        """Start the background tasks: the detokenize stream and one session per engine replica."""
+        """Start the background tasks: the detokenize stream, output delivery, the engine replicas."""
         self.tokenizer.stream.start()
+        self.processor.start()
         self.engine.start(self.processor.process_step, self._on_engine_lost)
 
     async def close(self) -> None:
         await self.engine.close()
+        await self.processor.close()
         await self.tokenizer.close()
+
+    @property
+    def model_name(self) -> str | None:
+        """The model's name as the tokenizer reports it (None until it answered)."""
+        info = self.tokenizer.model_info
+        return info.model_name if info is not None else None
 
     @property
     def ready(self) -> bool:
@@ -93,18 +109,24 @@ class AsyncLLM:
         return info.max_model_len if info and info.max_model_len > 0 else None
 
     async def generate(self, request_id: str, prompt: Prompt, params: common_pb2.SamplingParams,
-                       priority: int = 0) -> AsyncIterator[GenerationOutput]:
+                       priority: int = 0, default_max_tokens: int | None = DEFAULT_MAX_TOKENS
+                       ) -> AsyncIterator[GenerationOutput]:
+        """Yield each sample's new output per engine step until all n samples have finished.
+
+        `default_max_tokens` applies when params has no max_tokens; None means "up to the
+        model's length" (OpenAI chat's default).
+        """
         arrival = time.time()
-        await self._wait_ready()
+        await self.wait_ready()
         prompt_ids = await self._tokenize(request_id, prompt)
-        params = _with_defaults(params)
+        params = self._with_defaults(params, len(prompt_ids), default_max_tokens)
         self._check_prompt(prompt_ids, params)
         # The engine and the detokenize stream see a unique id, so a client id that is
         # reused (even while its previous request is still being aborted) never mixes outputs.
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         n = params.n
         state = RequestState(engine_id, n, _detokenize_open(params, prompt_ids),
-                             want_token_texts=params.HasField("logprobs"))
+                             want_token_texts=params.HasField("logprobs") or params.HasField("prompt_logprobs"))
         self.processor.add_request(state)
         finished = completion_tokens = cached_tokens = 0
         try:
@@ -133,7 +155,8 @@ class AsyncLLM:
                                                  completion_tokens=completion_tokens,
                                                  cached_prompt_tokens=cached_tokens)
                 yield GenerationOutput(request_id, out.index, out.text, out.token_ids, out.logprobs,
-                                       out.finish_reason, out.stop_reason, usage)
+                                       out.finish_reason, out.stop_reason, usage, out.stop_token_id,
+                                       out.prompt_logprobs, len(prompt_ids))
         finally:
             if self.processor.release(engine_id):
                 self.engine.abort([engine_id])
@@ -141,7 +164,7 @@ class AsyncLLM:
                      extra={"request_id": request_id, "completion_tokens": completion_tokens,
                             "seconds": round(time.time() - arrival, 4)})
 
-    async def _wait_ready(self) -> None:
+    async def wait_ready(self) -> None:
         """Ride out a short reconnect (a backend restarting); fail with UNAVAILABLE after READY_WAIT_S."""
         deadline = time.monotonic() + READY_WAIT_S
         while not self.ready:
@@ -171,29 +194,46 @@ class AsyncLLM:
                                 f"token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
+    def _with_defaults(self, params: common_pb2.SamplingParams, prompt_len: int,
+                       default_max_tokens: int | None) -> common_pb2.SamplingParams:
+        """A copy with the defaults the frontend owns made explicit (max_tokens, n)."""
+        out = common_pb2.SamplingParams()
+        out.CopyFrom(params)
+        if not out.HasField("max_tokens"):
+            limit = self.max_model_len
+            if default_max_tokens is None:
+                out.max_tokens = max(1, limit - prompt_len) if limit else DEFAULT_MAX_TOKENS
+            else:
+                out.max_tokens = default_max_tokens
+        if not out.HasField("n"):
+            out.n = 1
+        return out
+
     def _check_prompt(self, prompt_ids: list[int], params: common_pb2.SamplingParams) -> None:
+        def invalid(message: str) -> GenerateError:
+            return GenerateError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
         if not prompt_ids:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: it has no tokens")
+            raise invalid("prompt: it has no tokens")
+        if params.min_tokens > params.max_tokens:
+            raise invalid(f"min_tokens: must be <= max_tokens ({params.max_tokens}) "
+                          f"(got {params.min_tokens})")
+        vocab = self.tokenizer.model_info.vocab_size
+        bad = [t for t in params.stop_token_ids if vocab > 0 and t >= vocab]
+        if bad:
+            raise invalid(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
         limit = self.max_model_len
-        if limit and len(prompt_ids) + params.max_tokens > limit:
-            raise GenerateError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the model's max length ({limit})")
+        if limit and total > limit:
+            raise invalid(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                          f"exceeds the model's max length ({limit})")
+        cache = self.engine.kv_cache_tokens
+        if cache and total > cache:
+            raise invalid(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                          f"exceeds the engine's KV cache ({cache} tokens)")
 
     def _on_engine_lost(self, request_ids: list[str], reason: str) -> None:
         self.processor.fail(request_ids, Failure(grpc.StatusCode.UNAVAILABLE, reason))
-
-
-def _with_defaults(params: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """A copy with the defaults the frontend owns made explicit (max_tokens, n)."""
-    out = common_pb2.SamplingParams()
-    out.CopyFrom(params)
-    if not out.HasField("max_tokens"):
-        out.max_tokens = DEFAULT_MAX_TOKENS
-    if not out.HasField("n"):
-        out.n = 1
-    return out
 
 
 def _detokenize_open(params: common_pb2.SamplingParams, prompt_ids: list[int]) -> tokenizer_pb2.DetokenizeOpen:

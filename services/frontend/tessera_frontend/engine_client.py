@@ -3,12 +3,21 @@
 Each replica gets one `EngineReplica`: a supervisor task waits until the engine is
 SERVING, reads its EngineInfo, then opens the Session stream and keeps it open.
 New requests and aborts are written on that stream; every EngineStepOutputs that
-comes back is handed to the step handler (the OutputProcessor), which detokenizes
-the step's new tokens and fans them out to the per-request queues.
+comes back is handed to the step handler (the OutputProcessor), which sends the
+step's new tokens to the tokenizer and fans the text out to the per-request queues.
+While the session is open the replica's health is checked every
+HEALTH_CHECK_INTERVAL_S; a replica that does not answer SERVING gets no new
+requests until it does again (its running requests go on).
 
 If a Session stream breaks, the requests in flight on it are reported to the lost
 handler (they fail with UNAVAILABLE rather than hang: the engine aborted them when
-the stream closed) and the replica reconnects once it is SERVING again.
+the stream closed) and the replica reconnects once it is SERVING again; the router
+forgets its prefix-cache affinity, since a restarted engine starts cold.
+
+`EngineCoreClient` holds the replica set: it resolves the configured entries (see
+`discovery`) at start and every `resolve_interval_s`, adds a replica for each new
+address and retires one whose address went away (no new requests; it is closed
+once its requests are done). `submit` asks the router for a replica.
 """
 from __future__ import annotations
 
@@ -18,8 +27,10 @@ from typing import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 
-from tessera.common.grpc_service import CHANNEL_OPTIONS
+from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tessera_frontend.discovery import (EngineEntry, Resolver, parse_engine_addrs, resolve_entries,
+                                        system_resolve)
 from tessera_frontend.grpc_util import drain, is_serving
 from tessera_frontend.router import Router
 
@@ -28,8 +39,12 @@ log = logging.getLogger(__name__)
 StepHandler = Callable[[engine_pb2.EngineStepOutputs], Awaitable[None]]
 LostHandler = Callable[[list[str], str], None]
 
-HEALTH_POLL_S = 0.5
+HEALTH_POLL_S = 0.5            # while disconnected: how often to ask whether the engine is back
+HEALTH_CHECK_INTERVAL_S = 1.0  # while connected: how often to check the engine's health
+HEALTH_CHECK_TIMEOUT_S = 3.0
 RECONNECT_DELAY_S = 0.5
+DEFAULT_RESOLVE_INTERVAL_S = 5.0
+RESOLVE_RETRY_S = 1.0          # re-resolve this often while no replica is known
 _RUNNING = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
@@ -37,22 +52,42 @@ class NoReplicaError(Exception):
     """No engine replica has an open Session stream."""
 
 
-class EngineReplica:
-    """One engine replica: its channel, its Session stream and the requests in flight on it."""
+def _merge_inputs(first: engine_pb2.SessionInput, later: engine_pb2.SessionInput) -> None:
+    """Fold `later` into `first`. The engine takes a message's adds before its aborts, and an
+    abort always follows its request's add, so the merged message means the same."""
+    first.add.extend(later.add)
+    first.abort.request_ids.extend(later.abort.request_ids)
 
-    def __init__(self, addr: str) -> None:
+
+class EngineReplica:
+    """One engine replica: its channel, its Session stream, its health and the requests in flight on it."""
+
+    def __init__(self, addr: str, entry: str = "") -> None:
         self.addr = addr
-        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.entry = entry or addr  # the configured name it was resolved from
+        self.channel = grpc.aio.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.info: engine_pb2.EngineInfo | None = None
+        self.healthy = False
+        self.retired = False  # its address left the resolved set: no new requests
+        self.sessions_opened = 0
         # request id -> samples not yet finished (n of them at submit)
         self._in_flight: dict[str, int] = {}
         self._outbox: asyncio.Queue | None = None
 
     @property
-    def ready(self) -> bool:
+    def connected(self) -> bool:
         """The Session stream is open: requests can be submitted."""
         return self._outbox is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.connected and not self.retired
+
+    @property
+    def available(self) -> bool:
+        """Connected, healthy and not retired: the router's first choice."""
+        return self.ready and self.healthy
 
     @property
     def outstanding(self) -> int:
@@ -88,14 +123,15 @@ class EngineReplica:
         return done
 
     async def run(self, on_step: StepHandler, on_lost: LostHandler,
-                  on_done: Callable[[Iterable[str]], None]) -> None:
-        """Supervise the replica forever: wait for SERVING, open the session, reconnect on failure."""
+                  on_done: Callable[[Iterable[str]], None],
+                  on_session_open: Callable[["EngineReplica"], None] = lambda r: None) -> None:
+        """Supervise the replica until cancelled: wait for SERVING, open the session, reconnect on failure."""
         while True:
             while not await is_serving(self.channel):
                 await asyncio.sleep(HEALTH_POLL_S)
             try:
                 self.info = await self.stub.GetInfo(engine_pb2.EngineInfoRequest(), timeout=10)
-                reason = await self._serve_session(on_step, on_done)
+                reason = await self._serve_session(on_step, on_done, on_session_open)
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             except Exception as exc:  # a bug in step handling: fail this session's requests, go on
@@ -108,12 +144,16 @@ class EngineReplica:
                 on_lost(lost, f"engine {self.addr} went away: {reason}")
             await asyncio.sleep(RECONNECT_DELAY_S)
 
-    async def _serve_session(self, on_step: StepHandler,
-                             on_done: Callable[[Iterable[str]], None]) -> str:
+    async def _serve_session(self, on_step: StepHandler, on_done: Callable[[Iterable[str]], None],
+                             on_session_open: Callable[["EngineReplica"], None]) -> str:
         outbox: asyncio.Queue = asyncio.Queue()
-        call = self.stub.Session(drain(outbox))
+        call = self.stub.Session(drain(outbox, merge=_merge_inputs))
         self._outbox = outbox
-        log.info("engine session open", extra={"engine": self.addr,
+        self.healthy = True
+        self.sessions_opened += 1
+        on_session_open(self)
+        health = asyncio.create_task(self._watch_health(), name=f"engine-health-{self.addr}")
+        log.info("engine session open", extra={"engine": self.addr, "engine_entry": self.entry,
                                                 "max_model_len": self.info.max_model_len})
         try:
             async for step in call:
@@ -121,9 +161,20 @@ class EngineReplica:
                 await on_step(step)
             return "the engine closed the session"
         finally:
+            health.cancel()
             self._outbox = None
+            self.healthy = False
             outbox.put_nowait(None)
             call.cancel()
+
+    async def _watch_health(self) -> None:
+        """Keep `healthy` in step with the engine's grpc.health.v1 answer while the session is open."""
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+            serving = await is_serving(self.channel, timeout=HEALTH_CHECK_TIMEOUT_S)
+            if serving != self.healthy:
+                log.warning("engine health changed", extra={"engine": self.addr, "serving": serving})
+                self.healthy = serving
 
     async def get_stats(self) -> engine_pb2.EngineStats:
         return await self.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
@@ -135,36 +186,56 @@ class EngineReplica:
 class EngineCoreClient:
     """All engine replicas behind one submit / abort interface."""
 
-    def __init__(self, addrs: Sequence[str], router: Router | None = None) -> None:
-        if not addrs:
-            raise ValueError("at least one engine address is needed")
-        self.replicas = [EngineReplica(a) for a in addrs]
-        self._router = router or Router()
+    def __init__(self, addrs: str | Sequence[str | EngineEntry], router: Router | None = None,
+                 resolver: Resolver = system_resolve,
+                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S) -> None:
+        if isinstance(addrs, str) or any(not isinstance(a, EngineEntry) for a in addrs):
+            addrs = parse_engine_addrs(addrs if isinstance(addrs, str) else [str(a) for a in addrs])
+        self.entries: list[EngineEntry] = list(addrs)
+        self.router = router or Router()
+        self._resolver = resolver
+        self._resolve_interval_s = resolve_interval_s
+        self._resolved: dict[EngineEntry, list[str]] = {}
+        self._replicas: dict[str, EngineReplica] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
         self._where: dict[str, EngineReplica] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._handlers: tuple[StepHandler, LostHandler] | None = None
+        self._discovery: asyncio.Task | None = None
+
+    @property
+    def replicas(self) -> list[EngineReplica]:
+        return list(self._replicas.values())
 
     def start(self, on_step: StepHandler, on_lost: LostHandler) -> None:
-        """Start one supervisor task per replica; steps go to `on_step`, broken streams to `on_lost`."""
-        def lost(request_ids: list[str], reason: str) -> None:
-            self._forget(request_ids)
-            on_lost(request_ids, reason)
-
-        self._tasks = [asyncio.create_task(r.run(on_step, lost, self._forget), name=f"engine-{r.addr}")
-                       for r in self.replicas]
+        """Resolve the entries and supervise each replica; steps go to `on_step`, broken streams to `on_lost`."""
+        self._handlers = (on_step, on_lost)
+        self._discovery = asyncio.create_task(self._discover(), name="engine-discovery")
 
     @property
     def ready(self) -> bool:
-        return any(r.ready for r in self.replicas)
+        return any(r.ready for r in self._replicas.values())
+
+    def _limit(self, value: Callable[[engine_pb2.EngineInfo], int]) -> int | None:
+        values = [value(r.info) for r in self._replicas.values() if r.info and not r.retired]
+        values = [v for v in values if v > 0]
+        return min(values) if values else None
 
     @property
     def max_model_len(self) -> int | None:
         """The smallest max_model_len among replicas that reported one."""
-        lens = [r.info.max_model_len for r in self.replicas if r.info and r.info.max_model_len > 0]
-        return min(lens) if lens else None
+        return self._limit(lambda info: info.max_model_len)
+
+    @property
+    def kv_cache_tokens(self) -> int | None:
+        """The smallest KV cache (in tokens) among replicas: one sequence can never be longer."""
+        return self._limit(lambda info: info.num_blocks * info.block_size)
 
     def submit(self, request: engine_pb2.EngineRequest, num_samples: int) -> str:
         """Send the request to the chosen replica; return that replica's address."""
-        replica = self._router.choose([r for r in self.replicas if r.ready])
+        ready = [r for r in self._replicas.values() if r.ready]
+        # Unhealthy replicas are skipped; only when no replica is healthy is one of them tried.
+        candidates = [r for r in ready if r.healthy] or ready
+        replica = self.router.choose(candidates, request.prompt_token_ids)
         if replica is None:
             raise NoReplicaError("no engine replica is connected")
         replica.submit(request, num_samples)
@@ -184,10 +255,64 @@ class EngineCoreClient:
         for request_id in request_ids:
             self._where.pop(request_id, None)
 
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for replica in self.replicas:
-            await replica.close()
+    # -- the replica set --------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Resolve the entries once; add replicas for new addresses, retire those gone."""
+        self._resolved = await resolve_entries(self.entries, self._resolver, self._resolved)
+        wanted = {addr: str(entry) for entry, addrs in self._resolved.items() for addr in addrs}
+        for addr, entry in wanted.items():
+            replica = self._replicas.get(addr)
+            if replica is None:
+                self._add(addr, entry)
+            elif replica.retired:
+                log.info("engine replica is back in the resolved set", extra={"engine": addr})
+                replica.retired = False
+        for addr, replica in list(self._replicas.items()):
+            if addr not in wanted and not replica.retired:
+                log.info("engine replica left the resolved set; retiring it",
+                         extra={"engine": addr, "outstanding": replica.outstanding})
+                replica.retired = True
+            if replica.retired and replica.outstanding == 0:
+                await self._remove(addr)
 
+    def _add(self, addr: str, entry: str) -> None:
+        on_step, on_lost = self._handlers
+
+        def lost(request_ids: list[str], reason: str) -> None:
+            self._forget(request_ids)
+            on_lost(request_ids, reason)
+
+        def session_open(replica: EngineReplica) -> None:
+            if replica.sessions_opened > 1:  # a reconnect: the engine may have restarted cold
+                self.router.forget(replica.addr)
+
+        replica = EngineReplica(addr, entry)
+        self._replicas[addr] = replica
+        self._tasks[addr] = asyncio.create_task(replica.run(on_step, lost, self._forget, session_open),
+                                                name=f"engine-{addr}")
+        log.info("engine replica added", extra={"engine": addr, "engine_entry": entry})
+
+    async def _remove(self, addr: str) -> None:
+        replica = self._replicas.pop(addr)
+        task = self._tasks.pop(addr)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.router.forget(addr)
+        await replica.close()
+        log.info("engine replica removed", extra={"engine": addr})
+
+    async def _discover(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # a resolver bug must not stop discovery
+                log.exception("engine discovery failed")
+            await asyncio.sleep(self._resolve_interval_s if self._replicas else RESOLVE_RETRY_S)
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._discovery, *self._tasks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for replica in self._replicas.values():
+            await replica.close()

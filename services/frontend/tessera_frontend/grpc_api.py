@@ -1,89 +1,33 @@
 """The public gRPC API: FrontendService (Generate streams, Complete returns whole).
 
-Every request is validated first (`validate_request`): a bad field is answered
-INVALID_ARGUMENT with a message that starts with the field's name. The request id
-is the client's (field, else `x-request-id` metadata) or a fresh uuid, and is
-echoed on every message. Failures from the tokenizer or the engine keep their
-status code (INVALID_ARGUMENT, UNAVAILABLE, ...). When the client cancels the call
-the handler is cancelled, which closes the generate() iterator and aborts the
+Every request is validated first (`validation.validate_request`): a bad field is
+answered INVALID_ARGUMENT with a message that starts with the field's name. Then
+it is admitted (`admission`): past the in-flight cap it is answered
+RESOURCE_EXHAUSTED at once. The request id is the client's (field, else
+`x-request-id` metadata) or a fresh uuid, and is echoed on every message.
+Failures from the tokenizer or the engine keep their status code
+(INVALID_ARGUMENT, UNAVAILABLE, ...). When the client cancels the call the
+handler is cancelled, which closes the generate() iterator and aborts the
 request in the engine.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import uuid
 
 import grpc
 
 from tessera.common.grpc_service import request_id_from
-from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tessera.v1 import frontend_pb2, frontend_pb2_grpc
+from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
 from tessera_frontend.async_llm import AsyncLLM, GenerateError, GenerationOutput, Prompt
+from tessera_frontend.metrics import RequestTracker, grpc_tracker, record_rejected
+from tessera_frontend.validation import Limits, ValidationError, validate_request, validate_request_id
+
+__all__ = ["FrontendServicer", "Limits", "ValidationError", "validate_request"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Server-side caps on what a request may ask for (from flags)."""
-    max_n: int = 16
-    max_logprobs: int = 20
-    max_stop: int = 16
-
-
-class ValidationError(ValueError):
-    """A request field is out of range; the message starts with the field name."""
-
-
-def validate_request(request: frontend_pb2.GenerateRequest, limits: Limits) -> None:
-    """Raise ValidationError naming the first bad field of `request`."""
-    which = request.WhichOneof("prompt")
-    if which is None:
-        raise ValidationError("prompt: one of text, chat or token_ids is required")
-    if which == "text" and not request.text:
-        raise ValidationError("prompt: text is empty")
-    if which == "chat":
-        if not request.chat.messages:
-            raise ValidationError("prompt: chat has no messages")
-        for i, message in enumerate(request.chat.messages):
-            if message.role not in ("system", "user", "assistant"):
-                raise ValidationError(
-                    f"prompt: chat.messages[{i}].role must be system, user or assistant (got {message.role!r})")
-    if which == "token_ids" and not request.token_ids.ids:
-        raise ValidationError("prompt: token_ids is empty")
-    validate_sampling_params(request.sampling_params, limits)
-
-
-def validate_sampling_params(p: common_pb2.SamplingParams, limits: Limits) -> None:
-    """Raise ValidationError naming the first out-of-range field of `p` (absent fields are fine)."""
-    def check(field: str, ok, rule: str) -> None:
-        if p.HasField(field):
-            value = getattr(p, field)
-            if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
-                raise ValidationError(f"{field}: must be {rule} (got {value})")
-
-    check("temperature", lambda v: v >= 0, ">= 0")
-    check("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-    check("top_k", lambda v: v >= -1, ">= -1 (-1 or 0 disables)")
-    check("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
-    check("repetition_penalty", lambda v: v > 0, "> 0")
-    check("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-    check("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-    check("max_tokens", lambda v: v >= 1, ">= 1")
-    max_tokens = p.max_tokens if p.HasField("max_tokens") else None
-    check("min_tokens", lambda v: v >= 0 and (max_tokens is None or v <= max_tokens),
-          ">= 0 and <= max_tokens")
-    check("n", lambda v: 1 <= v <= limits.max_n, f"in [1, {limits.max_n}]")
-    check("logprobs", lambda v: 0 <= v <= limits.max_logprobs, f"in [0, {limits.max_logprobs}]")
-    check("prompt_logprobs", lambda v: 0 <= v <= limits.max_logprobs, f"in [0, {limits.max_logprobs}]")
-    if len(p.stop) > limits.max_stop:
-        raise ValidationError(f"stop: at most {limits.max_stop} stop strings (got {len(p.stop)})")
-    if any(not s for s in p.stop):
-        raise ValidationError("stop: stop strings must not be empty")
-    if any(t < 0 for t in p.stop_token_ids):
-        raise ValidationError("stop_token_ids: token ids must be >= 0")
 
 
 def _prompt_of(request: frontend_pb2.GenerateRequest) -> Prompt:
@@ -96,25 +40,38 @@ def _prompt_of(request: frontend_pb2.GenerateRequest) -> Prompt:
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
-    def __init__(self, llm: AsyncLLM, limits: Limits) -> None:
+    def __init__(self, llm: AsyncLLM, limits: Limits, admission: AdmissionController) -> None:
         self._llm = llm
         self._limits = limits
+        self._admission = admission
 
     async def Generate(self, request: frontend_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
-        request_id = await self._admit(request, context)
-        async with self._outputs(request, request_id, context) as outputs:
-            async for out in outputs:
-                await context.write(_response(out))
+        with grpc_tracker(context) as tracker:
+            request_id, ticket = await self._admit(request, context, tracker)
+            with ticket:
+                async with self._outputs(request, request_id, context) as outputs:
+                    async for out in outputs:
+                        tracker.on_output(out.index, len(out.token_ids), out.usage)
+                        await context.write(_response(out))
 
     async def Complete(self, request: frontend_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> frontend_pb2.GenerateResult:
-        request_id = await self._admit(request, context)
+        with grpc_tracker(context) as tracker:
+            request_id, ticket = await self._admit(request, context, tracker)
+            with ticket:
+                return await self._complete(request, request_id, context, tracker)
+
+    async def _complete(self, request: frontend_pb2.GenerateRequest, request_id: str,
+                        context: grpc.aio.ServicerContext, tracker: RequestTracker) -> frontend_pb2.GenerateResult:
         n = request.sampling_params.n if request.sampling_params.HasField("n") else 1
         choices = [frontend_pb2.Choice(index=i) for i in range(n)]
         result = frontend_pb2.GenerateResult(request_id=request_id)
         async with self._outputs(request, request_id, context) as outputs:
             async for out in outputs:
+                tracker.on_output(out.index, len(out.token_ids), out.usage)
+                if out.prompt_logprobs:
+                    result.prompt_logprobs.extend(out.prompt_logprobs)
                 choice = choices[out.index]
                 choice.text += out.text
                 choice.token_ids.extend(out.token_ids)
@@ -123,21 +80,32 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
                     choice.finish_reason = out.finish_reason
                     if out.stop_reason is not None:
                         choice.stop_reason = out.stop_reason
+                    if out.stop_token_id is not None:
+                        choice.stop_token_id = out.stop_token_id
                 if out.usage is not None:
                     result.usage.CopyFrom(out.usage)
         result.choices.extend(choices)
         return result
 
-    async def _admit(self, request: frontend_pb2.GenerateRequest,
-                     context: grpc.aio.ServicerContext) -> str:
-        """Validate; return the request id to use (the caller's when given)."""
+    async def _admit(self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                     tracker: RequestTracker) -> tuple[str, Ticket]:
+        """Validate and admit; return the request id to use (the caller's when given) and the ticket."""
         request_id = request.request_id or request_id_from(context) or uuid.uuid4().hex
+        tracker.set_request_id(request_id[:64])
         try:
             validate_request(request, self._limits)
+            if not request.request_id:
+                validate_request_id_metadata(request_id)
+            ticket = self._admission.admit()
         except ValidationError as exc:
-            log.info("request rejected", extra={"request_id": request_id, "error": str(exc)})
+            log.info("request rejected", extra={"request_id": request_id[:64], "error": str(exc)})
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return request_id
+        except Overloaded as exc:
+            record_rejected("grpc", "max_inflight_requests")
+            log.warning("request refused: overloaded", extra={"request_id": request_id,
+                                                              "in_flight": self._admission.in_flight})
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return request_id, ticket
 
     @contextlib.asynccontextmanager
     async def _outputs(self, request: frontend_pb2.GenerateRequest, request_id: str,
@@ -163,4 +131,16 @@ def _response(out: GenerationOutput) -> frontend_pb2.GenerateResponse:
         response.stop_reason = out.stop_reason
     if out.usage is not None:
         response.usage.CopyFrom(out.usage)
+    if out.prompt_logprobs:
+        response.prompt_logprobs.extend(out.prompt_logprobs)
+    if out.stop_token_id is not None:
+        response.stop_token_id = out.stop_token_id
     return response
+
+
+def validate_request_id_metadata(request_id: str) -> None:
+    """The x-request-id metadata obeys the request_id field's rules (named as the header)."""
+    try:
+        validate_request_id(request_id)
+    except ValidationError as exc:
+        raise ValidationError("x-request-id", exc.message) from None

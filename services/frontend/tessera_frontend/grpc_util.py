@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,13 +18,22 @@ async def is_serving(channel: grpc.aio.Channel, timeout: float = 2.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def drain(queue: asyncio.Queue) -> AsyncIterator:
+async def drain(queue: asyncio.Queue, merge: Callable | None = None) -> AsyncIterator:
     """Yield the queue's messages until a None arrives: the request side of a streaming call.
 
-    Writers put messages with put_nowait, so submitting never waits on the network.
+    Writers put messages with put_nowait, so submitting never waits on the network. With
+    `merge(first, later)`, the messages that queued up meanwhile are folded into one before
+    it is sent (many requests arriving together travel as one message).
     """
     while True:
         message = await queue.get()
         if message is None:
             return
+        if merge is not None:
+            while not queue.empty():
+                later = queue.get_nowait()
+                if later is None:
+                    yield message
+                    return
+                merge(message, later)
         yield message

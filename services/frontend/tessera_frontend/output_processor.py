@@ -1,9 +1,15 @@
 """Engine step outputs -> per-request outputs (the seed's OutputProcessor).
 
 For each EngineStepOutputs the processor sends the new token ids of every live
-sample in ONE DetokenizeStreamRequest, waits for the tokenizer's reply, and puts a
-`SampleOutput` (text delta, token ids, logprobs, finish reason) on the queue of
-the request it belongs to.
+sample in ONE DetokenizeStreamRequest and, once the tokenizer's reply is back,
+puts a `SampleOutput` (text delta, token ids, logprobs, finish reason) on the
+queue of the request it belongs to.
+
+The two halves are pipelined: `process_step` sends a step's message at once and
+returns, so the engine streams are read on while a reply is pending; a single
+delivery task takes the replies in the order the messages were sent (the
+tokenizer answers in order), which keeps every request's outputs in order. At
+most MAX_PENDING_STEPS messages wait for replies; past that `process_step` waits.
 
 Each of a request's n samples is detokenized separately, under the key
 "<engine request id>#<index>". When the tokenizer reports a matched stop string, the
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import grpc
 
@@ -31,6 +37,8 @@ RUNNING = common_pb2.FINISH_REASON_UNSPECIFIED
 STOP = common_pb2.FINISH_REASON_STOP
 ABORT = common_pb2.FINISH_REASON_ABORT
 ERROR = common_pb2.FINISH_REASON_ERROR
+
+MAX_PENDING_STEPS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,8 @@ class SampleOutput:
     logprobs: list[common_pb2.PositionLogprobs] = dataclasses.field(default_factory=list)
     finish_reason: int = RUNNING
     stop_reason: str | None = None
+    stop_token_id: int | None = None   # the stop_token_ids entry that ended it
+    prompt_logprobs: list[common_pb2.PositionLogprobs] | None = None  # once, when asked
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     failure: Failure | None = None
@@ -85,6 +95,7 @@ class RequestState:
         self.open = detokenize_open
         self.want_token_texts = want_token_texts
         self.samples = [_Sample(f"{request_id}#{i}") for i in range(n)]
+        self.prompt_logprobs_sent = False
 
     @property
     def done(self) -> bool:
@@ -102,6 +113,19 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._abort_in_engine = abort_in_engine
         self._requests: dict[str, RequestState] = {}
+        # Steps sent to the tokenizer, in order, waiting for their reply to be delivered.
+        self._pending: asyncio.Queue[_PendingStep] = asyncio.Queue(MAX_PENDING_STEPS)
+        self._delivery: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start the delivery task (takes the tokenizer's replies in order)."""
+        self._delivery = asyncio.create_task(self._deliver_loop(), name="output-delivery")
+
+    async def close(self) -> None:
+        if self._delivery is not None:
+            self._delivery.cancel()
+            await asyncio.gather(self._delivery, return_exceptions=True)
+            self._delivery = None
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -133,8 +157,11 @@ class OutputProcessor:
                 self._deliver_failure(state, failure)
 
     async def process_step(self, step: engine_pb2.EngineStepOutputs) -> None:
-        """Detokenize one engine step's outputs (one tokenizer message) and deliver them."""
-        batch: list[tuple[RequestState, _Sample, engine_pb2.RequestOutput]] = []
+        """Send one engine step's new tokens to the tokenizer (one message); delivery follows in order.
+
+        Returns without waiting for the tokenizer's reply unless MAX_PENDING_STEPS are pending.
+        """
+        entries: list[_Entry] = []
         items: list[tokenizer_pb2.DetokenizeItem] = []
         for output in step.outputs:
             state = self._requests.get(output.request_id)
@@ -150,7 +177,7 @@ class OutputProcessor:
                 continue
             if sample.opened_in is None and not output.new_token_ids:
                 if finished:  # ended before any token (e.g. aborted while waiting)
-                    self._deliver(state, sample, _sample_output(output, "", [], []))
+                    entries.append(_Entry(state, sample, output, detokenized=False))
                 continue
             item = tokenizer_pb2.DetokenizeItem(request_id=sample.key, new_token_ids=output.new_token_ids,
                                                 finished=finished)
@@ -162,19 +189,53 @@ class OutputProcessor:
                                                      "the tokenizer restarted while the request ran"))
                 continue
             items.append(item)
-            batch.append((state, sample, output))
-        if not items:
+            entries.append(_Entry(state, sample, output, detokenized=True))
+        if not entries:
             return
-        try:
-            results = await self._tokenizer.stream.detokenize_step(items)
-        except DetokenizeStreamError as exc:
-            for state, _, _ in batch:
-                self._deliver_failure(state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)))
-            return
-        texts = await self._token_texts(batch)
-        for (state, sample, output), result in zip(batch, results):
-            if self._requests.get(state.request_id) is state and not sample.done:
-                self._deliver_result(state, sample, output, result, texts)
+        reply: asyncio.Future | None = None
+        if items:
+            try:
+                reply = self._tokenizer.stream.send(items)
+            except DetokenizeStreamError as exc:
+                for entry in entries:
+                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)))
+                return
+        await self._pending.put(_PendingStep(entries, reply, len(items)))
+
+    async def _deliver_loop(self) -> None:
+        while True:
+            pending = await self._pending.get()
+            try:
+                await self._deliver_step(pending)
+            except Exception as exc:  # a bug must not stop delivery for every other request
+                log.exception("output delivery failed")
+                for entry in pending.entries:
+                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.INTERNAL,
+                                                               f"internal error: {exc!r}"))
+
+    async def _deliver_step(self, pending: "_PendingStep") -> None:
+        results: list[tokenizer_pb2.DetokenizeResult] = []
+        if pending.reply is not None:
+            try:
+                results = await pending.reply
+                if len(results) != pending.num_items:
+                    raise DetokenizeStreamError(
+                        f"tokenizer answered {len(results)} results for {pending.num_items} items")
+            except DetokenizeStreamError as exc:
+                for entry in pending.entries:
+                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)))
+                return
+        texts = await self._token_texts(pending.entries)
+        next_result = iter(results)
+        for entry in pending.entries:
+            result = next(next_result) if entry.detokenized else None
+            state, sample = entry.state, entry.sample
+            if self._requests.get(state.request_id) is not state or sample.done:
+                continue  # released, failed or already stopped meanwhile
+            if result is None:
+                self._deliver(state, sample, self._sample_output(state, entry.output, "", [], [], texts))
+            else:
+                self._deliver_result(state, sample, entry.output, result, texts)
 
     def _deliver_result(self, state: RequestState, sample: _Sample, output: engine_pb2.RequestOutput,
                         result: tokenizer_pb2.DetokenizeResult, texts: dict[int, str]) -> None:
@@ -182,18 +243,33 @@ class OutputProcessor:
             sample.tokenizer_done = True
             self._deliver_failure(state, Failure.from_proto(result.error, grpc.StatusCode.INTERNAL))
             return
-        token_ids = list(output.new_token_ids)
-        logprobs = list(output.logprobs)
-        out = _sample_output(output, result.text_delta, token_ids, logprobs)
+        out = self._sample_output(state, output, result.text_delta, list(output.new_token_ids),
+                                  list(output.logprobs), texts)
         if result.HasField("stop_matched"):
             del out.token_ids[result.tokens_consumed:]
             del out.logprobs[result.tokens_consumed:]
-            out.finish_reason, out.stop_reason = STOP, result.stop_matched
+            out.finish_reason, out.stop_reason, out.stop_token_id = STOP, result.stop_matched, None
         if result.finished or output.finish_reason != RUNNING:
             sample.tokenizer_done = True  # the tokenizer forgets a request it reports or was told finished
+        self._deliver(state, sample, out)
+
+    @staticmethod
+    def _sample_output(state: RequestState, output: engine_pb2.RequestOutput, text: str,
+                       token_ids: list[int], logprobs: list[common_pb2.PositionLogprobs],
+                       texts: dict[int, str]) -> SampleOutput:
+        out = SampleOutput(index=output.index, text=text, token_ids=token_ids, logprobs=logprobs,
+                           finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
+                           num_cached_tokens=output.num_cached_tokens)
+        if output.HasField("stop_token_id"):
+            out.stop_token_id = output.stop_token_id
+        if output.prompt_logprobs and not state.prompt_logprobs_sent:
+            # Every sample carries the prompt's logprobs; the request reports them once.
+            out.prompt_logprobs = list(output.prompt_logprobs)
+            state.prompt_logprobs_sent = True
         if texts:
             _fill_token_texts(out.logprobs, texts)
-        self._deliver(state, sample, out)
+            _fill_token_texts(out.prompt_logprobs or (), texts)
+        return out
 
     def _deliver(self, state: RequestState, sample: _Sample, out: SampleOutput) -> None:
         state.queue.put_nowait(out)
@@ -229,12 +305,13 @@ class OutputProcessor:
                     keys.append(sample.key)
         self._tokenizer.stream.cancel(keys)
 
-    async def _token_texts(self, batch) -> dict[int, str]:
-        """Texts of every token named in the batch's logprobs (only when some request wants them)."""
+    async def _token_texts(self, entries: list["_Entry"]) -> dict[int, str]:
+        """Texts of every token named in these outputs' logprobs (only for requests that want them)."""
         ids = {lp.token_id
-               for state, _, output in batch if state.want_token_texts
-               for position in output.logprobs
-               for lp in (position.chosen, *position.top)}
+               for entry in entries if entry.state.want_token_texts
+               for position in (*entry.output.logprobs, *entry.output.prompt_logprobs)
+               for lp in (position.chosen, *position.top)
+               if position.HasField("chosen") or position.top}
         if not ids:
             return {}
         try:
@@ -244,14 +321,26 @@ class OutputProcessor:
             return {}
 
 
-def _sample_output(output: engine_pb2.RequestOutput, text: str, token_ids: list[int],
-                   logprobs: list[common_pb2.PositionLogprobs]) -> SampleOutput:
-    return SampleOutput(index=output.index, text=text, token_ids=token_ids, logprobs=logprobs,
-                        finish_reason=output.finish_reason, num_prompt_tokens=output.num_prompt_tokens,
-                        num_cached_tokens=output.num_cached_tokens)
+@dataclasses.dataclass
+class _Entry:
+    """One sample's output in a pending step; `detokenized`: it has an item in the tokenizer message."""
+    state: RequestState
+    sample: _Sample
+    output: engine_pb2.RequestOutput
+    detokenized: bool
+
+
+@dataclasses.dataclass
+class _PendingStep:
+    """A step whose tokenizer message is out: its entries, in item order, and the reply to come."""
+    entries: list[_Entry]
+    reply: Optional[asyncio.Future]
+    num_items: int
 
 
 def _fill_token_texts(logprobs: Iterable[common_pb2.PositionLogprobs], texts: dict[int, str]) -> None:
     for position in logprobs:
-        for lp in (position.chosen, *position.top):
+        if position.HasField("chosen"):
+            position.chosen.token = texts.get(position.chosen.token_id, "")
+        for lp in position.top:
             lp.token = texts.get(lp.token_id, "")

@@ -1,8 +1,18 @@
 """The frontend process: flags, wiring, health, reflection, graceful shutdown.
 
-Health stays NOT_SERVING until the tokenizer answers SERVING (and its ModelInfo is
-read), the detokenize stream is open and at least one engine replica has an open
-Session; a watcher keeps polling, so the services may start in any order.
+One asyncio loop serves both public APIs over one AsyncLLM: the gRPC
+FrontendService (grpc.aio, --port) and the OpenAI-compatible HTTP API (FastAPI on
+uvicorn, --http-port; 0 turns it off). Both share one AdmissionController
+(--max-inflight-requests) and one set of Limits.
+
+Health (grpc.health.v1 and HTTP /health) stays NOT_SERVING until the tokenizer
+answers SERVING (and its ModelInfo is read), the detokenize stream is open and at
+least one engine replica has an open Session; a watcher keeps polling, so the
+services may start in any order.
+
+Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, both servers stop taking new
+requests and give running ones SHUTDOWN_GRACE_S to finish, then the backend
+streams close.
 """
 from __future__ import annotations
 
@@ -14,14 +24,20 @@ import signal
 import grpc
 
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_service import CHANNEL_OPTIONS, Health, add_reflection
+from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
 from tessera.common.logs import setup_logging
+from tessera.common.metrics import add_metrics_flag, start_metrics_server
 from tessera.v1 import frontend_pb2, frontend_pb2_grpc
+from tessera_frontend.admission import AdmissionController
 from tessera_frontend.async_llm import AsyncLLM
-from tessera_frontend.engine_client import EngineCoreClient
-from tessera_frontend.grpc_api import FrontendServicer, Limits
-from tessera_frontend.router import Router
+from tessera_frontend.discovery import parse_engine_addrs
+from tessera_frontend.engine_client import DEFAULT_RESOLVE_INTERVAL_S, EngineCoreClient
+from tessera_frontend.grpc_api import FrontendServicer
+from tessera_frontend.http_server import HttpServer
+from tessera_frontend.openai_api import create_app
+from tessera_frontend.router import DEFAULT_MAX_IMBALANCE, Router
 from tessera_frontend.tokenizer_client import TokenizerClient
+from tessera_frontend.validation import Limits
 
 log = logging.getLogger("tessera_frontend")
 
@@ -32,25 +48,31 @@ READINESS_POLL_S = 0.5
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera-frontend",
-                                     description="tessera streaming frontend (public gRPC API)")
+                                     description="tessera streaming frontend (public gRPC and OpenAI HTTP APIs)")
     add_common_flags(parser, 50051, "TESSERA_FRONTEND_PORT")
+    add_metrics_flag(parser, "frontend")
+    add_flag(parser, "--http-port", "TESSERA_HTTP_PORT", 8000, type=int,
+             help="port of the OpenAI-compatible HTTP API (0: no HTTP API)")
+    add_flag(parser, "--served-model-name", "TESSERA_SERVED_MODEL_NAME", None,
+             help="model name of the HTTP API (default: the tokenizer's model name)")
     add_flag(parser, "--tokenizer-addr", "TESSERA_TOKENIZER_ADDR", "localhost:50052",
              help="tokenizer service address")
     add_flag(parser, "--engine-addrs", "TESSERA_ENGINE_ADDRS", "localhost:50053",
-             help="comma-separated engine replica addresses")
+             help="comma-separated engine addresses (host:port); a name resolving to several "
+                  "addresses (a headless service) is one replica per address")
+    add_flag(parser, "--engine-resolve-interval", "TESSERA_ENGINE_RESOLVE_INTERVAL", DEFAULT_RESOLVE_INTERVAL_S,
+             type=float, help="seconds between DNS resolutions of --engine-addrs")
+    add_flag(parser, "--affinity-max-imbalance", "TESSERA_AFFINITY_MAX_IMBALANCE", DEFAULT_MAX_IMBALANCE,
+             type=int, help="prefix affinity yields when its replica has this many more requests "
+                            "outstanding than the least loaded")
+    add_flag(parser, "--max-inflight-requests", "TESSERA_MAX_INFLIGHT_REQUESTS", 256, type=int,
+             help="requests in flight past which new ones are refused (RESOURCE_EXHAUSTED / HTTP 429)")
     add_flag(parser, "--max-n", "TESSERA_MAX_N", 16, type=int, help="largest n a request may ask for")
     add_flag(parser, "--max-logprobs", "TESSERA_MAX_LOGPROBS", 20, type=int,
              help="largest logprobs / prompt_logprobs a request may ask for")
     add_flag(parser, "--max-stop", "TESSERA_MAX_STOP", 16, type=int,
              help="most stop strings a request may give")
     return parser
-
-
-def parse_engine_addrs(value: str) -> list[str]:
-    addrs = [a.strip() for a in value.split(",") if a.strip()]
-    if not addrs:
-        raise ValueError("--engine-addrs names no engine")
-    return addrs
 
 
 async def watch_readiness(llm: AsyncLLM, health: Health) -> None:
@@ -75,19 +97,30 @@ async def watch_readiness(llm: AsyncLLM, health: Health) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     tokenizer = TokenizerClient(args.tokenizer_addr)
-    engine = EngineCoreClient(parse_engine_addrs(args.engine_addrs), Router())
+    engine = EngineCoreClient(parse_engine_addrs(args.engine_addrs),
+                              Router(max_imbalance=args.affinity_max_imbalance),
+                              resolve_interval_s=args.engine_resolve_interval)
     llm = AsyncLLM(tokenizer, engine)
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
+    admission = AdmissionController(args.max_inflight_requests)
 
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits), server)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission), server)
     health = Health(server, [SERVICE_NAME])
     add_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     await health.set(False)
     await server.start()
-    log.info("frontend listening", extra={"port": port, "tokenizer": args.tokenizer_addr,
-                                          "engines": [r.addr for r in engine.replicas]})
+    metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
+    http = None
+    if args.http_port:
+        http = HttpServer(create_app(llm, limits, admission, args.served_model_name), args.host, args.http_port,
+                          grace_s=SHUTDOWN_GRACE_S)
+        await http.start()
+    log.info("frontend listening", extra={"port": port, "http_port": args.http_port or None,
+                                          "tokenizer": args.tokenizer_addr,
+                                          "engines": [str(e) for e in engine.entries],
+                                          "max_inflight_requests": args.max_inflight_requests})
     llm.start()
     readiness = asyncio.create_task(watch_readiness(llm, health), name="readiness")
 
@@ -100,14 +133,26 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("shutting down", extra={"grace_s": SHUTDOWN_GRACE_S})
     readiness.cancel()
     await health.set(False)
-    await server.stop(SHUTDOWN_GRACE_S)
+    await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http.stop()] if http else []))
     await asyncio.gather(readiness, return_exceptions=True)
     await llm.close()
+    if metrics_server is not None:
+        metrics_server.close()
     log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        parse_engine_addrs(args.engine_addrs)
+    except ValueError as exc:
+        parser.error(f"--engine-addrs: {exc}")
+    for flag in ("max_inflight_requests", "max_n", "engine_resolve_interval"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    if not 0 <= args.http_port < 65536:
+        parser.error("--http-port must be in [0, 65535]")
     setup_logging("frontend", args.log_level)
     asyncio.run(serve(args))
 

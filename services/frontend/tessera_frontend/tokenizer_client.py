@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import grpc
 
-from tessera.common.grpc_service import CHANNEL_OPTIONS, REQUEST_ID_KEY
+from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS, REQUEST_ID_KEY
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_frontend.grpc_util import drain, is_serving
 
@@ -39,7 +39,7 @@ class TokenizerClient:
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
-        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.stream = DetokenizeStream(self.stub, self.wait_serving)
         self.model_info: tokenizer_pb2.ModelInfo | None = None
@@ -116,14 +116,6 @@ class DetokenizeStream:
         self._pending.append(future)
         self._outbox.put_nowait(tokenizer_pb2.DetokenizeStreamRequest(items=items))
         return future
-
-    async def detokenize_step(self, items: Sequence[tokenizer_pb2.DetokenizeItem]
-                              ) -> list[tokenizer_pb2.DetokenizeResult]:
-        results = await self.send(items)
-        if len(results) != len(items):
-            raise DetokenizeStreamError(
-                f"tokenizer answered {len(results)} results for {len(items)} items")
-        return results
 
     def cancel(self, keys: Iterable[str]) -> None:
         """Tell the tokenizer to forget these requests; fire and forget (no-op when disconnected)."""

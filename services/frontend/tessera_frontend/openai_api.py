@@ -1,0 +1,587 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+A request goes: body parsed (pydantic; a bad body is 400 naming the field) ->
+messages / prompts and sampling parameters translated and range-checked (400) ->
+frontend ready (else 503 after AsyncLLM's short wait) and model known (else 404)
+-> admitted (429 past --max-inflight-requests) -> AsyncLLM.generate, once per
+prompt (a completions batch runs its prompts concurrently; choice index =
+prompt * n + sample).
+
+The first output is awaited before the response starts, so failures found before
+generation (tokenizer or engine refusals) still get a proper status. Streams are
+server-sent events: one chunk per choice per engine step, a final usage chunk
+when stream_options.include_usage, then `data: [DONE]`; a failure after the
+stream started is sent as an {"error": ...} event before [DONE]. When the client
+disconnects, the request's generators are closed, which aborts it in the engine
+(for a stream, Starlette cancels the body on http.disconnect; before the stream
+or for a whole response, a watcher on the ASGI receive channel does).
+
+Every error body is OpenAI's {"error": {"message", "type", "param", "code"}}.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tessera.v1 import common_pb2
+from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
+from tessera_frontend.async_llm import AsyncLLM, GenerateError, GenerationOutput, Prompt
+from tessera_frontend.metrics import REQUESTS, RequestTracker, record_rejected
+from tessera_frontend.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_messages,
+                                              completion_prompts, openai_param, sampling_params,
+                                              validation_error_param)
+from tessera_frontend.validation import Limits, ValidationError, validate_request_id
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_ABORT: "abort"}
+_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+                grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+Indexed = tuple[int, GenerationOutput]  # (choice index across the request's prompts, output)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+def create_app(llm: AsyncLLM, limits: Limits, admission: AdmissionController,
+               served_model_name: str | None = None) -> FastAPI:
+    """The FastAPI application serving the OpenAI-compatible API over `llm`."""
+    api = OpenAIApi(llm, limits, admission, served_model_name)
+    app = FastAPI(title="tessera", description="OpenAI-compatible API of the tessera frontend",
+                  docs_url=None, redoc_url=None)
+    app.state.api = api
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client went away
+
+    @app.exception_handler(RequestValidationError)
+    async def body_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = validation_error_param(tuple(first.get("loc", ())))
+        message = first.get("msg", "invalid request body")
+        REQUESTS.labels("http", "400").inc()
+        if first.get("type") == "json_invalid":
+            param, message = None, f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
+        return JSONResponse(ApiError(400, f"{param}: {message}" if param else message, param=param).body(),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), code=code).body(),
+                            status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not llm.ready:
+            raise ApiError(503, "not ready: waiting for the tokenizer and an engine")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [api.model_card(await api.model_name())]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> JSONResponse:
+        await api.check_model(model)
+        return JSONResponse(api.model_card(model))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await api.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await api.completions(body, request)
+
+    return app
+
+
+class OpenAIApi:
+    """The endpoints' logic, apart from FastAPI's routing."""
+
+    def __init__(self, llm: AsyncLLM, limits: Limits, admission: AdmissionController,
+                 served_model_name: str | None) -> None:
+        self.llm = llm
+        self.limits = limits
+        self.admission = admission
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+
+    # -- models ---------------------------------------------------------------------------
+    async def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        await _api_call(self.llm.wait_ready())
+        return self.llm.model_name
+
+    async def check_model(self, model: str | None) -> str:
+        """The served model's name; 404 when the request names another."""
+        name = await self.model_name()
+        if model and model != name:
+            raise ApiError(404, f"The model `{model}` does not exist (this server serves `{name}`).",
+                           param="model", code="model_not_found")
+        return name
+
+    def model_card(self, name: str) -> dict:
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "tessera"}
+        if self.llm.max_model_len:
+            card["max_model_len"] = self.llm.max_model_len
+        return card
+
+    # -- endpoints -----------------------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        async with _tracked(RequestTracker("http")) as tracker:
+            request_id = _request_id(body, request)
+            tracker.set_request_id(request_id)
+            messages = chat_messages(body)
+            params = sampling_params(body, self.limits)
+            model = await self.check_model(body.model)
+            return await self._serve(request, body, request_id, model, [messages], params, default_max_tokens=None,
+                                     formatter=ChatFormatter(body, request_id, model), tracker=tracker)
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        async with _tracked(RequestTracker("http")) as tracker:
+            request_id = _request_id(body, request)
+            tracker.set_request_id(request_id)
+            prompts = completion_prompts(body, self.limits)
+            params = sampling_params(body, self.limits)
+            model = await self.check_model(body.model)
+            return await self._serve(request, body, request_id, model, prompts, params, default_max_tokens=16,
+                                     formatter=CompletionFormatter(body, request_id, model), tracker=tracker)
+
+    async def _serve(self, request: Request, body, request_id: str, model: str, prompts: Sequence[Prompt],
+                     params: common_pb2.SamplingParams, default_max_tokens: int | None, formatter: "Formatter",
+                     tracker: RequestTracker):
+        """Answer the request; `tracker` is finished here for a whole response, by the stream's close for a stream."""
+        try:
+            ticket = self.admission.admit(len(prompts))
+        except Overloaded as exc:
+            record_rejected("http", "max_inflight_requests")
+            log.warning("request refused: overloaded", extra={"request_id": request_id,
+                                                              "in_flight": self.admission.in_flight})
+            raise ApiError(429, str(exc), code="rate_limit_exceeded") from None
+        n = params.n if params.HasField("n") else 1
+        outputs = _generate_all(self.llm, request_id, prompts, params, body.priority, default_max_tokens, n, tracker)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if body.stream:
+            try:
+                first = await _unless_disconnected(request, _first_output(outputs, body))
+            except BaseException:
+                await _close(outputs, ticket)
+                raise
+            status = {"code": 499}  # what the stream ended with; 499 (client closed) unless it ran to the end
+
+            async def on_close() -> None:
+                try:
+                    await _close(outputs, ticket)
+                finally:
+                    tracker.finish(status["code"])
+            return _EventStream(_events(formatter, first, outputs, body, status), on_close=on_close, headers=headers)
+        try:
+            collected = await _unless_disconnected(request, _collect(outputs, body))
+        finally:
+            await _close(outputs, ticket)
+        response = JSONResponse(formatter.response(collected, n * len(prompts)), headers=headers)
+        tracker.finish(200)
+        return response
+
+
+@contextlib.asynccontextmanager
+async def _tracked(tracker: RequestTracker):
+    """Finish `tracker` with the HTTP status of an error that ends the handler (a success is finished
+    where the answer is complete: the whole response, or the end of the event stream)."""
+    try:
+        yield tracker
+    except ApiError as exc:
+        tracker.finish(exc.status)
+        raise
+    except (ClientGone, asyncio.CancelledError):
+        tracker.finish(499)
+        raise
+    except Exception as exc:
+        tracker.finish(500, error=repr(exc))
+        raise
+
+
+# -- generation plumbing ------------------------------------------------------------------------
+async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt],
+                        params: common_pb2.SamplingParams, priority: int, default_max_tokens: int | None,
+                        n: int, tracker: RequestTracker) -> AsyncIterator[Indexed]:
+    """Every prompt's outputs, interleaved as they come, each with its choice index (and told to `tracker`)."""
+    if len(prompts) == 1:
+        async with contextlib.aclosing(llm.generate(request_id, prompts[0], params, priority,
+                                                    default_max_tokens)) as outputs:
+            async for out in outputs:
+                tracker.on_output(out.index, len(out.token_ids), out.usage)
+                yield out.index, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, prompt: Prompt) -> None:
+        try:
+            async with contextlib.aclosing(llm.generate(f"{request_id}-{i}", prompt, params, priority,
+                                                        default_max_tokens)) as outputs:
+                async for out in outputs:
+                    queue.put_nowait((i * n + out.index, out))
+            queue.put_nowait(done)
+        except Exception as exc:  # GenerateError and anything else ends the whole request
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                tracker.on_output(item[0], len(item[1].token_ids), item[1].usage)
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first_output(outputs: AsyncIterator[Indexed], body) -> Indexed:
+    try:
+        return await outputs.__anext__()
+    except GenerateError as exc:
+        raise _from_generate_error(exc, body) from None
+    except StopAsyncIteration:
+        raise ApiError(500, "the request produced no output") from None
+
+
+async def _collect(outputs: AsyncIterator[Indexed], body) -> list[Indexed]:
+    try:
+        return [item async for item in outputs]
+    except GenerateError as exc:
+        raise _from_generate_error(exc, body) from None
+
+
+async def _close(outputs: AsyncIterator[Indexed], ticket: Ticket) -> None:
+    """Close the generators (aborting whatever still runs) and give the admission slots back."""
+    try:
+        await outputs.aclose()
+    finally:
+        ticket.release()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable):
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    log.info("client disconnected before the answer was ready")
+    raise ClientGone()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _api_call(work: Awaitable):
+    try:
+        return await work
+    except GenerateError as exc:
+        raise _from_generate_error(exc, None) from None
+
+
+def _from_generate_error(exc: GenerateError, body) -> ApiError:
+    status = _HTTP_STATUS.get(exc.code, 500)
+    param = None
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, sep, _ = exc.message.partition(":")
+        if field == "tokenizer":  # the tokenizer refused the prompt
+            field = "prompt"
+        if sep and body is not None:
+            param = openai_param(field.strip(), body)
+    code = "rate_limit_exceeded" if status == 429 else None
+    return ApiError(status, exc.message, param=param, code=code)
+
+
+def _request_id(body, request: Request) -> str:
+    request_id = body.request_id or request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    try:
+        validate_request_id(request_id)
+    except ValidationError as exc:
+        raise ApiError(400, str(exc), param="request_id") from None
+    return request_id
+
+
+# -- streaming ---------------------------------------------------------------------------------
+class _EventStream(StreamingResponse):
+    """A server-sent-event response that runs `on_close` however it ends (done, error, disconnect)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**headers, "cache-control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _events(formatter: "Formatter", first: Indexed, outputs: AsyncIterator[Indexed],
+                  body, status: dict) -> AsyncIterator[str]:
+    """The stream's events; `status["code"]` is set to how it ended (200, or an error's HTTP status)."""
+    usage = Usage()
+    try:
+        for chunk in formatter.stream_start():
+            yield _sse(chunk)
+        item: Indexed | None = first
+        while item is not None:
+            index, out = item
+            usage.add(out)
+            for chunk in formatter.stream_chunks(index, out):
+                yield _sse(chunk)
+            item = await anext(outputs, None)
+        if body.include_usage:
+            yield _sse(formatter.usage_chunk(usage.as_dict()))
+        status["code"] = 200
+    except GenerateError as exc:
+        error = _from_generate_error(exc, body)
+        status["code"] = error.status
+        yield _sse(error.body())
+    yield "data: [DONE]\n\n"
+
+
+# -- response shapes ------------------------------------------------------------------------------
+class Usage:
+    """Token counts summed over the request's prompts (each prompt's last output carries its usage)."""
+
+    def __init__(self) -> None:
+        self.prompt = self.completion = self.cached = 0
+
+    def add(self, out: GenerationOutput) -> None:
+        if out.usage is not None:
+            self.prompt += out.usage.prompt_tokens
+            self.completion += out.usage.completion_tokens
+            self.cached += out.usage.cached_prompt_tokens
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+
+class _Choice:
+    """One choice accumulated over its outputs (non-streamed responses)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.logprobs: list[common_pb2.PositionLogprobs] = []
+        self.prompt_logprobs: list[common_pb2.PositionLogprobs] | None = None
+        self.finish: GenerationOutput | None = None
+
+    def add(self, out: GenerationOutput) -> None:
+        self.text += out.text
+        self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.finish = out
+
+
+def _finish_fields(out: GenerationOutput | None) -> dict:
+    """finish_reason, and vLLM's stop_reason: the stop string or stop token id that ended it."""
+    if out is None or not out.finished:
+        return {"finish_reason": None, "stop_reason": None}
+    stop_reason = out.stop_reason if out.stop_reason is not None else out.stop_token_id
+    return {"finish_reason": _FINISH.get(out.finish_reason, "stop"), "stop_reason": stop_reason}
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _prompt_logprobs_json(positions: list[common_pb2.PositionLogprobs] | None) -> list | None:
+    """vLLM's shape: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    out: list = []
+    for position in positions:
+        if not position.HasField("chosen"):
+            out.append(None)
+            continue
+        entry = {}
+        for lp in (position.chosen, *position.top):
+            entry[str(lp.token_id)] = {"logprob": _logprob(lp.logprob), "rank": lp.rank,
+                                       "decoded_token": lp.token}
+        out.append(entry)
+    return out
+
+
+class Formatter:
+    """Builds one endpoint's response bodies and stream chunks."""
+
+    object_name = ""   # of a whole response
+    chunk_object = ""  # of a stream chunk
+    id_prefix = ""
+
+    def __init__(self, body, request_id: str, model: str) -> None:
+        self.body = body
+        self.id = f"{self.id_prefix}{request_id}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict], obj: str | None = None) -> dict:
+        return {"id": self.id, "object": obj or self.object_name, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def response(self, outputs: list[Indexed], num_choices: int) -> dict:
+        choices = [_Choice() for _ in range(num_choices)]
+        usage = Usage()
+        for index, out in outputs:
+            choices[index].add(out)
+            usage.add(out)
+        body = self._envelope([self.choice_json(i, c) for i, c in enumerate(choices)])
+        body["usage"] = usage.as_dict()
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        chunk = self._envelope([], self.chunk_object)
+        chunk["usage"] = usage
+        return chunk
+
+    def _chunk(self, choice: dict) -> dict:
+        chunk = self._envelope([choice], self.chunk_object)
+        if self.body.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def stream_start(self) -> list[dict]:
+        return []
+
+    def choice_json(self, index: int, choice: _Choice) -> dict:
+        raise NotImplementedError
+
+    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+        raise NotImplementedError
+
+
+class ChatFormatter(Formatter):
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def _logprobs(self, positions: list[common_pb2.PositionLogprobs]) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        top_n = self.body.top_logprobs or 0
+
+        def entry(lp: common_pb2.TokenLogprob) -> dict:
+            return {"token": lp.token, "logprob": _logprob(lp.logprob), "bytes": list(lp.token.encode())}
+
+        return {"content": [{**entry(p.chosen), "top_logprobs": [entry(t) for t in p.top[:top_n]]}
+                            for p in positions]}
+
+    def choice_json(self, index: int, choice: _Choice) -> dict:
+        out = {"index": index, "message": {"role": "assistant", "content": choice.text},
+               "logprobs": self._logprobs(choice.logprobs), **_finish_fields(choice.finish)}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = _prompt_logprobs_json(choice.prompt_logprobs)
+        return out
+
+    def stream_start(self) -> list[dict]:
+        num_choices = self.body.n or 1
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}) for i in range(num_choices)]
+
+    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+        if not (out.text or out.finished or (self.body.logprobs and out.logprobs)):
+            return []  # tokens whose text is still held back (a partial UTF-8 character)
+        choice = {"index": index, "delta": {"content": out.text} if out.text or not out.finished else {},
+                  "logprobs": self._logprobs(out.logprobs), **_finish_fields(out)}
+        return [self._chunk(choice)]
+
+
+class CompletionFormatter(Formatter):
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, body, request_id: str, model: str) -> None:
+        super().__init__(body, request_id, model)
+        self._offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
+
+    def _logprobs(self, positions: list[common_pb2.PositionLogprobs], offset: int = 0) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for position in positions:
+            chosen = position.chosen
+            tokens.append(chosen.token)
+            token_logprobs.append(_logprob(chosen.logprob))
+            top = {chosen.token: _logprob(chosen.logprob)}
+            for lp in position.top[:self.body.logprobs]:
+                top.setdefault(lp.token, _logprob(lp.logprob))
+            top_logprobs.append(top)
+            text_offset.append(offset)
+            offset += len(chosen.token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
+
+    def choice_json(self, index: int, choice: _Choice) -> dict:
+        out = {"index": index, "text": choice.text, "logprobs": self._logprobs(choice.logprobs),
+               **_finish_fields(choice.finish)}
+        if self.body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = _prompt_logprobs_json(choice.prompt_logprobs)
+        return out
+
+    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+        if not (out.text or out.finished or (self.body.logprobs is not None and out.logprobs)):
+            return []
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + sum(len(p.chosen.token) for p in out.logprobs)
+        return [self._chunk({"index": index, "text": out.text, "logprobs": self._logprobs(out.logprobs, offset),
+                             **_finish_fields(out)})]

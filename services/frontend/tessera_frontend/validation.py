@@ -1,0 +1,114 @@
+"""Request validation shared by the two public protocols (gRPC and OpenAI HTTP).
+
+Everything that can be checked without the model is checked here, before a
+request is admitted: each SamplingParams field's range, the caps configured on
+the server (`Limits`), the prompt's shape and the chat messages. What needs the
+model (token ids inside the vocabulary, prompt + max_tokens within the model's
+length and the engines' KV cache) is checked by AsyncLLM once the prompt is
+tokenized.
+
+A bad field raises `ValidationError(field, message)`; str() of it starts with
+the field name ("top_p: must be in (0, 1] (got 1.5)"), which the gRPC API sends
+as the INVALID_ARGUMENT details and the HTTP API maps to OpenAI's `param`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tessera.v1 import common_pb2, frontend_pb2, tokenizer_pb2
+
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Server-side caps on what a request may ask for (the first three come from flags)."""
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+    max_stop_chars: int = 1024          # length of one stop string
+    max_stop_token_ids: int = 1024
+    max_prompts: int = 64               # prompts in one OpenAI /v1/completions request
+
+
+class ValidationError(ValueError):
+    """A request field is out of range; `field` names it and str() starts with it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def validate_request(request: frontend_pb2.GenerateRequest, limits: Limits) -> None:
+    """Raise ValidationError naming the first bad field of a gRPC GenerateRequest."""
+    validate_request_id(request.request_id)
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise ValidationError("prompt", "one of text, chat or token_ids is required")
+    if which == "text" and not request.text:
+        raise ValidationError("prompt", "text is empty")
+    if which == "chat":
+        problem = chat_problem(request.chat)
+        if problem is not None:
+            index, what = problem
+            where = "chat.messages" if index is None else f"chat.messages[{index}]"
+            raise ValidationError("prompt", f"{where}: {what}")
+    if which == "token_ids" and not request.token_ids.ids:
+        raise ValidationError("prompt", "token_ids is empty")
+    validate_sampling_params(request.sampling_params, limits)
+
+
+def validate_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValidationError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters "
+                                            f"(got {len(request_id)})")
+    if any(not c.isprintable() for c in request_id):
+        raise ValidationError("request_id", "must be printable characters")
+
+
+def chat_problem(chat: tokenizer_pb2.ChatMessages) -> tuple[int | None, str] | None:
+    """What is wrong with the chat messages, if anything: (message index or None, problem)."""
+    if not chat.messages:
+        return None, "must contain at least one message"
+    for i, message in enumerate(chat.messages):
+        if message.role not in CHAT_ROLES:
+            return i, f"role must be system, user or assistant (got {message.role!r})"
+    return None
+
+
+def validate_sampling_params(p: common_pb2.SamplingParams, limits: Limits) -> None:
+    """Raise ValidationError naming the first out-of-range field of `p` (absent fields are fine)."""
+    def check(field: str, ok, rule: str) -> None:
+        if p.HasField(field):
+            value = getattr(p, field)
+            if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+                raise ValidationError(field, f"must be {rule} (got {value})")
+
+    check("temperature", lambda v: v >= 0, ">= 0")
+    check("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    check("top_k", lambda v: v >= -1, ">= -1 (-1 or 0 disables)")
+    check("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+    check("repetition_penalty", lambda v: v > 0, "> 0")
+    check("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+    check("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+    check("max_tokens", lambda v: v >= 1, ">= 1")
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else None
+    check("min_tokens", lambda v: v >= 0 and (max_tokens is None or v <= max_tokens),
+          ">= 0 and <= max_tokens")
+    check("n", lambda v: 1 <= v <= limits.max_n, f"in [1, {limits.max_n}]")
+    check("logprobs", lambda v: 0 <= v <= limits.max_logprobs, f"in [0, {limits.max_logprobs}]")
+    check("prompt_logprobs", lambda v: 0 <= v <= limits.max_logprobs, f"in [0, {limits.max_logprobs}]")
+    if len(p.stop) > limits.max_stop:
+        raise ValidationError("stop", f"at most {limits.max_stop} stop strings (got {len(p.stop)})")
+    if any(not s for s in p.stop):
+        raise ValidationError("stop", "stop strings must not be empty")
+    if any(len(s) > limits.max_stop_chars for s in p.stop):
+        raise ValidationError("stop", f"a stop string has at most {limits.max_stop_chars} characters")
+    if len(p.stop_token_ids) > limits.max_stop_token_ids:
+        raise ValidationError("stop_token_ids", f"at most {limits.max_stop_token_ids} ids "
+                                                f"(got {len(p.stop_token_ids)})")
+    if any(t < 0 for t in p.stop_token_ids):
+        raise ValidationError("stop_token_ids", "token ids must be >= 0")

@@ -1,0 +1,185 @@
+"""Several engine replicas behind one frontend: load spread, prefix affinity, failover, DNS discovery.
+
+Two real engine processes: the shared stack's engine A (127.0.0.1:P) and a second
+engine B started here on the same port of another loopback address (127.0.0.2:P),
+so that one name resolving to both addresses stands for a Kubernetes headless
+service. A dedicated frontend process is given both addresses; which replica served
+a request is read from its "request submitted" log lines (field `engine`).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import time
+import uuid
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from stack import STARTUP_TIMEOUT_S, Service, frontend_service, health_status, stack  # noqa: F401
+from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
+from tessera_frontend.async_llm import AsyncLLM
+from tessera_frontend.engine_client import EngineCoreClient
+from tessera_frontend.tokenizer_client import TokenizerClient
+
+B_HOST = "127.0.0.2"
+TOPICS = ["rivers", "volcanoes", "owls", "bridges", "tea", "comets", "glaciers", "violins",
+          "deserts", "coral", "trains", "honey"]
+LONG_CONTEXT = " ".join(f"Fact {i}: the archive keeps record number {i * 37} on shelf {i % 9}." for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def replicas(stack):
+    """(engine A, engine B, frontend over both, its stub); B is stopped at the end."""
+    engine_b = Service("engine-b", "tessera_engine", stack.engine.port, list(stack.engine.args),
+                       stack.log_dir / "engine-b.log", host=B_HOST)
+    frontend = frontend_service("frontend-replicas", stack.tokenizer.addr,
+                                f"{stack.engine.addr},{engine_b.addr}", stack.log_dir)
+    engine_b.start()
+    frontend.start()
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        engine_b.wait_serving(deadline)
+        frontend.wait_serving(deadline)
+        with grpc.insecure_channel(frontend.addr) as channel:
+            stub = frontend_pb2_grpc.FrontendServiceStub(channel)
+            _wait_both_used(stub, frontend, stack.engine.addr, engine_b.addr)
+            yield stack.engine, engine_b, frontend, stub
+    finally:
+        frontend.stop()
+        engine_b.stop()
+
+
+def _request(text: str, request_id: str, max_tokens: int = 6) -> frontend_pb2.GenerateRequest:
+    chat = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content=text)])
+    return frontend_pb2.GenerateRequest(
+        request_id=request_id, chat=chat,
+        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def _served_by(frontend: Service, prefix: str) -> dict[str, str]:
+    """request id -> engine address, for the frontend's requests whose id starts with `prefix`."""
+    where = {}
+    for line in frontend.log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("msg") == "request submitted" and str(entry.get("request_id", "")).startswith(prefix):
+            where[entry["request_id"]] = entry["engine"]
+    return where
+
+
+def _run_concurrently(stub, texts: list[str], prefix: str, max_tokens: int = 6) -> list[frontend_pb2.GenerateResult]:
+    futures = [stub.Complete.future(_request(t, f"{prefix}{i}", max_tokens), timeout=120)
+               for i, t in enumerate(texts)]
+    return [f.result() for f in futures]
+
+
+def _wait_both_used(stub, frontend: Service, addr_a: str, addr_b: str, seconds: float = 60) -> None:
+    """Send concurrent batches until each replica has served one (both sessions are open)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        prefix = f"warm-{uuid.uuid4().hex[:6]}-"
+        _run_concurrently(stub, [f"Say one word about {t}." for t in TOPICS[:4]], prefix, max_tokens=2)
+        if {addr_a, addr_b} <= set(_served_by(frontend, prefix).values()):
+            return
+        assert time.monotonic() < deadline, f"a replica was never used:\n{frontend.log_tail()}"
+        time.sleep(0.5)
+
+
+def test_concurrent_requests_spread_across_replicas(replicas):
+    engine_a, engine_b, frontend, stub = replicas
+    results = _run_concurrently(stub, [f"Tell me one fact about {t}." for t in TOPICS[:8]], "spread-")
+    assert all(r.usage.completion_tokens == 6 for r in results)
+    served = _served_by(frontend, "spread-")
+    assert len(served) == 8
+    counts = {addr: list(served.values()).count(addr) for addr in (engine_a.addr, engine_b.addr)}
+    assert min(counts.values()) >= 2, counts
+
+
+def test_same_prefix_goes_to_the_same_replica(replicas):
+    _, _, frontend, stub = replicas
+    results = []
+    for i in range(4):  # one after another: no load to balance, only the prefix
+        results.append(stub.Complete(_request(f"{LONG_CONTEXT}\nWhich shelf holds record {37 * (i + 3)}?",
+                                              f"affinity-{i}"), timeout=120))
+    served = _served_by(frontend, "affinity-")
+    assert len(set(served.values())) == 1, served
+    # The repeats hit that replica's prefix cache.
+    assert all(r.usage.cached_prompt_tokens > 0 for r in results[1:]), [r.usage for r in results]
+
+    # A follow-up turn (the conversation so far + a new message) follows it too.
+    chat = tokenizer_pb2.ChatMessages(messages=[
+        tokenizer_pb2.ChatMessage(role="user", content=f"{LONG_CONTEXT}\nWhich shelf holds record 111?"),
+        tokenizer_pb2.ChatMessage(role="assistant", content=results[0].choices[0].text),
+        tokenizer_pb2.ChatMessage(role="user", content="And record 148?")])
+    stub.Complete(frontend_pb2.GenerateRequest(request_id="affinity-turn2", chat=chat,
+                                               sampling_params=common_pb2.SamplingParams(max_tokens=4)),
+                  timeout=120)
+    assert _served_by(frontend, "affinity-turn2")["affinity-turn2"] == next(iter(served.values()))
+
+
+def test_one_name_resolving_to_both_engines(replicas, stack):
+    """The frontend's engine client given one DNS name that resolves to both engines' addresses
+    (the resolver is the only stand-in: the engines and the tokenizer are the real processes)."""
+    engine_a, engine_b, _, _ = replicas
+    port = engine_a.port
+    answer = [f"127.0.0.1:{port}", f"{B_HOST}:{port}"]
+
+    async def resolver(host: str, p: int) -> list[str]:
+        assert (host, p) == ("engines.headless.test", port)
+        return list(answer)
+
+    async def scenario() -> None:
+        engine = EngineCoreClient(f"engines.headless.test:{port}", resolver=resolver, resolve_interval_s=3600)
+        llm = AsyncLLM(TokenizerClient(stack.tokenizer.addr), engine)
+        llm.start()
+        try:
+            await llm.tokenizer.fetch_model_info()
+            deadline = time.monotonic() + 60
+            while not all(r.connected for r in engine.replicas) or len(engine.replicas) < 2:
+                assert time.monotonic() < deadline, [(r.addr, r.connected) for r in engine.replicas]
+                await asyncio.sleep(0.1)
+            assert sorted(r.addr for r in engine.replicas) == sorted(answer)
+
+            async def one(i: int) -> int:
+                prompt = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(
+                    role="user", content=f"Name a color of {TOPICS[i]}.")])
+                params = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+                return sum([len(o.token_ids) async for o in llm.generate(f"dns-{i}", prompt, params)])
+
+            tasks = [asyncio.create_task(one(i)) for i in range(4)]
+            await asyncio.sleep(0)  # let them submit
+            while not all(r.outstanding for r in engine.replicas):
+                assert not all(t.done() for t in tasks), "the requests did not use both replicas"
+                await asyncio.sleep(0.01)
+            assert await asyncio.gather(*tasks) == [8, 8, 8, 8]
+
+            answer.remove(f"{B_HOST}:{port}")  # the pod left the headless service
+            await engine.refresh()
+            assert [r.addr for r in engine.replicas] == [f"127.0.0.1:{port}"]
+            answer.append(f"{B_HOST}:{port}")  # and came back
+            await engine.refresh()
+            assert len(engine.replicas) == 2
+        finally:
+            await llm.close()
+
+    asyncio.run(scenario())
+
+
+def test_killed_replica_is_skipped_and_used_again_after_restart(replicas):
+    engine_a, engine_b, frontend, stub = replicas
+    engine_b.kill()
+    time.sleep(1.0)  # the frontend sees B's session break at once; leave it a moment
+    results = _run_concurrently(stub, [f"Tell me one fact about {t}." for t in TOPICS[:6]], "after-kill-")
+    assert all(r.usage.completion_tokens == 6 for r in results)
+    assert set(_served_by(frontend, "after-kill-").values()) == {engine_a.addr}
+    with grpc.insecure_channel(frontend.addr) as channel:
+        assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+
+    engine_b.start()
+    engine_b.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
+    _wait_both_used(stub, frontend, engine_a.addr, engine_b.addr, seconds=60)

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tessera-installed
 PROTOS := $(wildcard protos/tessera/v1/*.proto)
 PYPROJECTS := common/pyproject.toml services/tokenizer/pyproject.toml services/engine/pyproject.toml services/frontend/pyproject.toml
 
-.PHONY: install run test protos bench clean
+.PHONY: install run test test-containers protos bench clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The real images and compose stack in a private Docker daemon (scripts/container_test.py):
+# build, up, healthy, a streamed answer, teardown. 20 minutes at most (19 for the script,
+# which keeps the rest for its own teardown); a printed SKIP where no Docker engine can run.
+test-containers: install
+	TESSERA_CONTAINER_TEST_TIMEOUT=1140 timeout -k 30 1200 $(PY) scripts/container_test.py
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py

@@ -2,11 +2,26 @@
 
 The cache of a layer is two tensors [num_blocks * block_size, num_kv_heads,
 head_dim]; token t of a request lives in slot block_table[t // bs] * bs + t % bs.
-A step's tokens are flattened: the first `num_decodes` are single-token decodes
-(batched into one SDPA call with a padding mask), the rest are prefill chunks
-(one SDPA call each, causal over the cached context plus the chunk).
-torch's scaled_dot_product_attention picks the kernel: its CPU flash kernel on
-CPU, flash / memory-efficient kernels on CUDA.
+A step's tokens are flattened: the first `num_decodes` are single-token decodes,
+the rest are prefill chunks.
+
+Everything that depends only on the step (not on the layer) is built once per
+step by the model runner and shared by all layers through AttentionMetadata:
+
+- decodes: the cache rows of every request's padded context, head-major
+  ([D * KVH * L], L = the longest context rounded up to whole blocks) and an
+  additive mask [D, 1, 1, L] (0 = attend, -inf = padding). Per layer, K/V are
+  gathered with one index_select each straight into [D, KVH, L, d], and the
+  query heads that share a KV head are folded into the query length; with one
+  query row per head, two batched matmuls and a float32 softmax are several
+  times faster on CPU than SDPA's flash kernel.
+- prefill chunks are padded into groups of similar context length and attended
+  with one SDPA call per group: queries gathered from the flat batch, keys and
+  values gathered from the cache (already holding this step's K/V) straight
+  into [N, KVH, Lk, d], with a causal + length mask; so a chunk that continues
+  a request (chunked prefill, prefix-cache hit) sees its cached context.
+GQA is handled by SDPA's enable_gqa. torch's scaled_dot_product_attention picks
+the kernel: its CPU flash kernel on CPU, flash / memory-efficient on CUDA.
 """
 from __future__ import annotations
 
@@ -17,21 +32,32 @@ import torch.nn.functional as F
 
 
 @dataclasses.dataclass
-class PrefillChunk:
-    q_start: int            # offset of the chunk in the flat token batch
-    q_len: int
-    start_pos: int          # tokens of this request already in the cache before the chunk
-    ctx_slots: torch.Tensor | None  # slots of all start_pos + q_len tokens; None when start_pos == 0
-    mask: torch.Tensor | None       # [q_len, ctx] bool (True = attend); None when start_pos == 0
+class PrefillGroup:
+    """Prefill chunks attended together by one SDPA call, padded to the longest.
+
+    Queries are gathered from the step's flat batch; keys and values from the
+    cache (which already holds this step's K/V), so a chunk sees the context
+    cached before it (chunked prefill, prefix-cache hits) and its own tokens.
+    """
+    q_gather: torch.Tensor  # [N * Lq] flat token rows of the padded queries (padding repeats a real row)
+    kv_rows: torch.Tensor   # [N * KVH * Lk] rows of the cache seen as [slots * KVH, d], head-major
+    valid: torch.Tensor     # [n] rows of the padded [N * Lq] queries that are real tokens
+    out_rows: torch.Tensor  # [n] flat token rows those outputs go to
+    bias: torch.Tensor | None  # [N, 1, Lq, Lk] additive mask; None = plain causal (one chunk, nothing cached)
+    num: int
+    q_len: int              # Lq
+    kv_len: int             # Lk
 
 
 @dataclasses.dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] where each new token's K/V is written
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
-    decode_mask: torch.Tensor | None          # [D, 1, 1, max_blocks * block_size] bool
-    prefills: list[PrefillChunk]
+    # [D * KVH * L] rows of the cache seen as [slots * KVH, d]: each decode's padded context, head-major
+    decode_rows: torch.Tensor | None = None
+    decode_bias: torch.Tensor | None = None   # [D, 1, 1, L] float32 additive mask, 0 = attend
+    decode_len: int = 0                       # L
+    prefill_groups: list[PrefillGroup] = dataclasses.field(default_factory=list)
 
 
 class PagedAttention:
@@ -51,39 +77,40 @@ class PagedAttention:
         T = q.shape[0]
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
+        if nd == T:  # decode-only step: no output assembly
+            return self._decode(q, k_cache, v_cache, meta).view(T, self.num_heads * self.head_dim)
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
-        for p in meta.prefills:
-            sl = slice(p.q_start, p.q_start + p.q_len)
-            out[sl] = self._prefill(q[sl], k[sl], v[sl], k_cache, v_cache, p)
+        for grp in meta.prefill_groups:
+            out[grp.out_rows] = self._prefill_group(q, k_cache, v_cache, grp)
         return out.view(T, self.num_heads * self.head_dim)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd = q.shape[0]
-        kvh, g, d, bs = self.num_kv_heads, self.group, self.head_dim, self.block_size
-        tables = meta.decode_block_tables
-        # [D, max_blocks, bs, KVH, d] -> [D, KVH, L, d]
-        kc = k_cache.view(-1, bs, kvh, d)[tables].view(nd, -1, kvh, d).transpose(1, 2)
-        vc = v_cache.view(-1, bs, kvh, d)[tables].view(nd, -1, kvh, d).transpose(1, 2)
+        kvh, g, d, L = self.num_kv_heads, self.group, self.head_dim, meta.decode_len
+        # gather straight into [D, KVH, L, d] (contiguous) from the cache seen as [slots * KVH, d]
+        kc = k_cache.view(-1, d).index_select(0, meta.decode_rows).view(nd, kvh, L, d)
+        vc = v_cache.view(-1, d).index_select(0, meta.decode_rows).view(nd, kvh, L, d)
         # the query heads of one KV head share its keys: fold them into the query length
-        qg = q.view(nd, kvh, g, d)
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=meta.decode_mask, scale=self.scale)
-        return o.reshape(nd, self.num_heads, d)
+        qg = q.reshape(nd, kvh, g, d)
+        # one query row per head: plain batched matmuls beat the flash kernel here
+        # scores in float32 (bf16 scores lose too much); probabilities back in the cache dtype
+        scores = torch.matmul(qg.float(), kc.float().transpose(-1, -2))   # [D, KVH, g, L]
+        scores.mul_(self.scale).add_(meta.decode_bias)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vc).reshape(nd, self.num_heads, d)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillChunk) -> torch.Tensor:
-        g = self.group
-        if p.ctx_slots is None:
-            keys, values = k, v
+    def _prefill_group(self, q, k_cache, v_cache, grp: PrefillGroup) -> torch.Tensor:
+        n, Lq, Lk, d = grp.num, grp.q_len, grp.kv_len, self.head_dim
+        qp = q.index_select(0, grp.q_gather).view(n, Lq, self.num_heads, d).transpose(1, 2)
+        kp = k_cache.view(-1, d).index_select(0, grp.kv_rows).view(n, self.num_kv_heads, Lk, d)
+        vp = v_cache.view(-1, d).index_select(0, grp.kv_rows).view(n, self.num_kv_heads, Lk, d)
+        gqa = self.group > 1
+        if grp.bias is None:
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:
-            keys, values = k_cache[p.ctx_slots], v_cache[p.ctx_slots]
-        # [L, KVH, d] -> [H, L, d]
-        keys = keys.transpose(0, 1).repeat_interleave(g, dim=0)
-        values = values.transpose(0, 1).repeat_interleave(g, dim=0)
-        qh = q.transpose(0, 1)
-        if p.mask is None:
-            o = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=self.scale)
-        else:
-            o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=p.mask, scale=self.scale)
-        return o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=grp.bias, scale=self.scale, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(n * Lq, self.num_heads, d)
+        return o if grp.valid is None else o.index_select(0, grp.valid)

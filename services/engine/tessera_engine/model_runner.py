@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from tessera_engine.attention import AttentionMetadata, PrefillChunk
+from tessera_engine.attention import AttentionMetadata, PrefillGroup
 from tessera_engine.sampler import Sampler, compute_logprobs
 from tessera_engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -36,6 +36,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.dtype = dtype
         self.vocab_size = hf_config.vocab_size
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         shape = (num_blocks * block_size, hf_config.num_key_value_heads, head_dim)
@@ -44,6 +45,8 @@ class ModelRunner:
                           for _ in range(hf_config.num_hidden_layers)]
         self.sampler = Sampler(self.vocab_size, device)
         self._arange_bs = torch.arange(block_size, device=device)
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self._arange_kvh = torch.arange(self.num_kv_heads, device=device).view(1, -1, 1)
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of a request with this block table."""
@@ -54,7 +57,9 @@ class ModelRunner:
         return slots[start - first * bs:end - first * bs]
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
+        """The step's flat batch and the attention metadata shared by every layer."""
         bs = self.block_size
+        dev = self.device
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -66,37 +71,95 @@ class ModelRunner:
             ids.append(s.request.all_token_ids[p])
             pos.append(p)
             decode_slots.append(s.block_table[p // bs] * bs + p % bs)
-        slot_parts = [torch.tensor(decode_slots, dtype=torch.long, device=self.device)]
-        chunks: list[PrefillChunk] = []
+        slot_parts = [torch.tensor(decode_slots, dtype=torch.long, device=dev)]
+        chunks: list[tuple] = []  # (q_start, start, end, block table) of each prefill chunk
         q_start = len(decodes)
         for s in prefills:
             start, end = s.start, s.start + s.num_new_tokens
             ids.extend(s.request.all_token_ids[start:end])
             pos.extend(range(start, end))
-            if start == 0:
-                slot_parts.append(self._slots(s.block_table, 0, end))
-                chunks.append(PrefillChunk(q_start, s.num_new_tokens, 0, None, None))
-            else:
-                ctx = self._slots(s.block_table, 0, end)
-                slot_parts.append(ctx[start:])
-                q_pos = torch.arange(start, end, device=self.device).unsqueeze(1)
-                mask = torch.arange(end, device=self.device).unsqueeze(0) <= q_pos
-                chunks.append(PrefillChunk(q_start, s.num_new_tokens, start, ctx, mask))
+            slot_parts.append(self._slots(s.block_table, start, end))
+            chunks.append((q_start, start, end, s.block_table))
             q_start += s.num_new_tokens
 
-        tables = mask = None
+        meta = AttentionMetadata(torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0], len(decodes))
         if decodes:
-            ctx_lens = [s.start + 1 for s in decodes]
-            max_blocks = -(-max(ctx_lens) // bs)
-            tables = torch.tensor([s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-                                   for s in decodes], dtype=torch.long, device=self.device)
-            lens = torch.tensor(ctx_lens, device=self.device)
-            mask = (torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1))
-            mask = mask.view(len(decodes), 1, 1, -1)
-        meta = AttentionMetadata(torch.cat(slot_parts), len(decodes), tables, mask, chunks)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+            max_ctx = max(s.start for s in decodes) + 1
+            max_blocks = -(-max_ctx // bs)
+            L = max_blocks * bs
+            meta.decode_rows = self._table_rows([s.block_table for s in decodes], max_blocks)
+            lens = torch.tensor([s.start + 1 for s in decodes], device=dev)
+            valid = torch.arange(L, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            meta.decode_bias = self._bias(valid, torch.float32).view(len(decodes), 1, 1, L)
+            meta.decode_len = L
+        self._group_prefills(chunks, meta)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return ordered, input_ids, positions, meta
+
+    def _bias(self, valid: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """bool mask (True = attend) -> additive mask (default: the model's dtype)."""
+        dtype = dtype or self.dtype
+        zero = torch.zeros((), dtype=dtype, device=self.device)
+        return torch.where(valid, zero, torch.full((), float("-inf"), dtype=dtype, device=self.device))
+
+    def _table_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """Cache rows ([slots * KVH, d] view), head-major, of the first num_blocks blocks of each
+        table (short tables padded with block 0, masked by the caller) -> [N * KVH * L]."""
+        bs = self.block_size
+        rows = [t[:num_blocks] + [0] * (num_blocks - len(t)) if len(t) < num_blocks else t[:num_blocks]
+                for t in tables]
+        tab = torch.tensor(rows, dtype=torch.long, device=self.device)
+        slots = (tab.unsqueeze(2) * bs + self._arange_bs).view(len(tables), 1, num_blocks * bs)
+        return (slots * self.num_kv_heads + self._arange_kvh).view(-1)
+
+    def _group_prefills(self, chunks: list[tuple], meta: AttentionMetadata) -> None:
+        """Pad prefill chunks of similar context length into groups attended by one SDPA call.
+
+        Chunks are sorted by context length and a group grows while padding stays
+        under about a quarter of its keys.
+        """
+        if not chunks:
+            return
+        dev, bs = self.device, self.block_size
+        groups: list[list[tuple]] = []
+        cur: list[tuple] = []
+        total = 0
+        for c in sorted(chunks, key=lambda c: c[2]):
+            n = c[2]
+            if cur and (len(cur) + 1) * n > 1.25 * (total + n) + 2 * bs:
+                groups.append(cur)
+                cur, total = [], 0
+            cur.append(c)
+            total += n
+        groups.append(cur)
+        for grp in groups:
+            N = len(grp)
+            q_lens = [end - start for _, start, end, _ in grp]
+            Lq = max(q_lens)
+            num_blocks = -(-max(end for _, _, end, _ in grp) // bs)
+            Lk = num_blocks * bs
+            kv_rows = self._table_rows([c[3] for c in grp], num_blocks)
+            if N == 1 and grp[0][1] == 0:  # one chunk, nothing cached before it: plain causal
+                q0, _, end, _ = grp[0]
+                rows = torch.arange(q0, q0 + end, device=dev)
+                kv_rows = kv_rows.view(self.num_kv_heads, Lk)[:, :end].reshape(-1)
+                meta.prefill_groups.append(PrefillGroup(rows, kv_rows, None, rows, None, 1, end, end))
+                continue
+            q_starts = torch.tensor([c[0] for c in grp], device=dev).unsqueeze(1)
+            starts = torch.tensor([c[1] for c in grp], device=dev).view(N, 1, 1)
+            ends = torch.tensor([c[2] for c in grp], device=dev).view(N, 1, 1)
+            lens = torch.tensor(q_lens, device=dev).unsqueeze(1)
+            ar = torch.arange(Lq, device=dev).unsqueeze(0)
+            q_gather = (q_starts + torch.minimum(ar, lens - 1)).view(-1)
+            in_chunk = ar < lens                                                  # [N, Lq]
+            valid = torch.arange(N * Lq, device=dev).view(N, Lq)[in_chunk]
+            out_rows = (q_starts + ar)[in_chunk]
+            kpos = torch.arange(Lk, device=dev).view(1, 1, Lk)
+            qpos = starts + torch.arange(Lq, device=dev).view(1, Lq, 1)         # [N, Lq, 1]
+            allowed = (kpos <= qpos) & (kpos < ends)                             # [N, Lq, Lk]
+            meta.prefill_groups.append(PrefillGroup(q_gather, kv_rows, valid, out_rows,
+                                                    self._bias(allowed).unsqueeze(1), N, Lq, Lk))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -119,7 +182,11 @@ class ModelRunner:
 
         out = ModelRunnerOutput({}, {}, prompt_lp)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            if len(sample_rows) == hidden.shape[0]:  # every row samples (decode-only steps)
+                rows = hidden
+            else:
+                rows = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(rows)
             result = self.sampler(logits, sample_reqs)
             for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
                 out.sampled[req.key] = tok

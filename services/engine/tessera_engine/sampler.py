@@ -77,8 +77,18 @@ class Sampler:
                 if blocked:
                     logits[i, list(blocked)] = float("-inf")
 
+    @staticmethod
+    def _plain_greedy(r: Request) -> bool:
+        """Greedy with nothing that changes or reads the logits (penalties, min_tokens, logprobs)."""
+        p = r.params
+        return (p.greedy and not p.has_penalties and p.logprobs is None
+                and not (r.num_output_tokens < p.min_tokens))
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits [B, V] for the rows that sample this step, reqs in the same order."""
+        if all(self._plain_greedy(r) for r in reqs):
+            # greedy fast path: argmax of the raw logits (upcasting is exact, argmax keeps the first max)
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
         raw = logits
         logits = logits.float().clone()
         self._apply_penalties(logits, reqs)

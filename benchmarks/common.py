@@ -1,0 +1,372 @@
+"""Shared helpers for tessera's benchmarks (not tests): prompts, timing, memory, environment.
+
+Everything here runs in-process on the engine core and on HF transformers; there
+is no gRPC in the measured path.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Iterable
+
+import torch
+
+# 64 distinct, realistic chat questions of varied length (a few words to a
+# paragraph), so prompts span roughly 35 to 150 tokens after the chat template.
+QUESTIONS: list[str] = [
+    "What is photosynthesis?",
+    "How do vaccines train the immune system?",
+    "Why is the sky blue during the day but red at sunset?",
+    "Explain the difference between a list and a tuple in Python.",
+    "What are the main causes of inflation?",
+    "Give me three tips for improving my sleep.",
+    "How does a refrigerator keep food cold?",
+    "What is the Pythagorean theorem and where is it used in everyday life?",
+    "Write a short poem about the ocean.",
+    "Can you summarize the plot of Romeo and Juliet?",
+    "What is the difference between weather and climate?",
+    "How do I make a simple tomato sauce from scratch?",
+    "What does a CPU cache do, and why does it make programs faster?",
+    "Why do cats purr?",
+    "Explain recursion to a ten-year-old.",
+    "What were the main consequences of the printing press in Europe?",
+    "How does compound interest work? Please include a small numeric example.",
+    "What is the capital of Australia, and why isn't it Sydney?",
+    "List some good habits for learning a new language.",
+    "How do airplanes stay in the air?",
+    "What is machine learning?",
+    "I have a job interview tomorrow for a junior data analyst role at a retail company. "
+    "What kinds of questions should I expect, and how should I prepare tonight?",
+    "Explain how HTTPS keeps my connection to a website private.",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a weekend itinerary for a first visit to Rome.",
+    "How does a bill become a law in the United States?",
+    "What is the greenhouse effect?",
+    "Why do we have leap years?",
+    "Describe the water cycle in a few sentences.",
+    "My tomato plants have yellow leaves at the bottom and some brown spots. "
+    "I water them every evening and they get about six hours of sun. What could be wrong?",
+    "What is a black hole?",
+    "How can I be more productive when working from home?",
+    "Explain the rules of chess briefly.",
+    "What is the difference between RAM and storage?",
+    "Translate 'Where is the train station?' into French and Spanish.",
+    "Why is exercise good for mental health?",
+    "What is the theory of evolution by natural selection?",
+    "Write a polite email asking my manager for a day off next Friday.",
+    "How do noise-cancelling headphones work?",
+    "What causes earthquakes?",
+    "Give me a recipe for pancakes.",
+    "What is the role of mitochondria in a cell?",
+    "How should I start investing if I only have a small amount of money each month?",
+    "Explain what an API is with an analogy.",
+    "What are the benefits and drawbacks of electric cars compared with petrol cars?",
+    "Who was Ada Lovelace?",
+    "How do I center a div in CSS?",
+    "What is the difference between affect and effect?",
+    "Why do leaves change color in autumn?",
+    "Explain supply and demand.",
+    "I'm planning a birthday party for my eight-year-old daughter with about twelve kids. "
+    "We have a small backyard and a budget of around 150 dollars. Can you suggest a theme, "
+    "a few games, and a simple schedule for a three-hour afternoon party?",
+    "What is a prime number? Give a few examples.",
+    "How does GPS know where I am?",
+    "What is the Big Bang theory?",
+    "How can I reduce my household's plastic waste?",
+    "Explain the difference between TCP and UDP.",
+    "What is stoicism?",
+    "Why does ice float on water?",
+    "How do I write a good cover letter?",
+    "What happened during the French Revolution?",
+    "Explain what a neural network is in simple terms.",
+    "What are some healthy snacks for studying late at night?",
+    "How does the moon affect ocean tides?",
+    "Compare the advantages of renting versus buying a home for a young couple "
+    "who might move to another city within five years.",
+]
+
+# Prefixes that make further copies of the questions distinct (scale scenarios
+# with more than 64 requests), so the prefix cache only shares the chat template.
+STYLES: list[str] = ["", "Answer briefly: ", "Explain step by step: ", "In plain language, "]
+
+assert len(QUESTIONS) == 64 and len(set(QUESTIONS)) == 64
+
+
+def questions(n: int) -> list[str]:
+    """n distinct user messages: the 64 questions, then styled copies, then numbered ones."""
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        style = STYLES[(i // len(QUESTIONS)) % len(STYLES)]
+        lap = i // (len(QUESTIONS) * len(STYLES))
+        text = style + (q[0].lower() + q[1:] if style else q)
+        out.append(f"(variant {lap}) {text}" if lap else text)
+    return out
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    """Token ids of n distinct chat prompts (user turn + generation prompt)."""
+    prompts = []
+    for q in questions(n):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                            add_generation_prompt=True, return_dict=False)
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        prompts.append([int(t) for t in ids])
+    return prompts
+
+
+def draw_lengths(n: int, low: int, high: int, seed: int) -> list[int]:
+    """Output lengths drawn uniformly from [low, high] (inclusive) with a fixed seed."""
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+# -- statistics -----------------------------------------------------------------
+def median(values: Iterable[float]) -> float:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def summarize(values: list[float]) -> dict:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "values": []}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
+
+
+# -- memory and CPU ---------------------------------------------------------------
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:  # Linux fallback
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def maxrss_mib() -> float:
+    """Peak RSS of this process since it started (getrusage; KiB on Linux)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / (1 << 20) if sys.platform == "darwin" else r / 1024
+
+
+def _system_busy_s() -> float | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+@dataclasses.dataclass
+class Usage:
+    wall_s: float = 0.0
+    peak_rss_mib: float = 0.0      # highest sampled RSS of this process during the block
+    start_rss_mib: float = 0.0
+    cpu_s: float = 0.0             # CPU time of this process during the block
+    foreign_cpu_s: float | None = None  # CPU time of everything else on the machine
+    loadavg_1m: float = 0.0
+
+    @property
+    def foreign_cores(self) -> float | None:
+        """Average number of cores other processes kept busy (noise indicator)."""
+        if self.foreign_cpu_s is None or self.wall_s <= 0:
+            return None
+        return max(0.0, self.foreign_cpu_s) / self.wall_s
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["foreign_cores"] = self.foreign_cores
+        return d
+
+
+@contextlib.contextmanager
+def measure_usage(interval_s: float = 0.02):
+    """Samples this process's RSS on a background thread and counts CPU time.
+
+    Yields a Usage that is filled in when the block exits.
+    """
+    usage = Usage(loadavg_1m=os.getloadavg()[0])
+    usage.start_rss_mib = usage.peak_rss_mib = _rss_bytes() / (1 << 20)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval_s):
+            usage.peak_rss_mib = max(usage.peak_rss_mib, _rss_bytes() / (1 << 20))
+
+    thread = threading.Thread(target=sample, name="rss-sampler", daemon=True)
+    sys_busy0 = _system_busy_s()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    thread.start()
+    try:
+        yield usage
+    finally:
+        usage.wall_s = time.perf_counter() - t0
+        stop.set()
+        thread.join()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        usage.cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        sys_busy1 = _system_busy_s()
+        if sys_busy0 is not None and sys_busy1 is not None:
+            usage.foreign_cpu_s = (sys_busy1 - sys_busy0) - usage.cpu_s
+        usage.peak_rss_mib = max(usage.peak_rss_mib, _rss_bytes() / (1 << 20))
+
+
+def foreign_load(window_s: float = 1.0) -> float | None:
+    """Cores kept busy by other processes over the next window_s seconds (call while idle)."""
+    busy0 = _system_busy_s()
+    if busy0 is None:
+        return None
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(window_s)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    own = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return max(0.0, _system_busy_s() - busy0 - own) / window_s
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.3, log: Callable[[str], None] | None = None) -> float:
+    """Wait (at most max_wait_s) until other processes use under threshold_cores; returns seconds waited.
+
+    Shared machines: another job's threads on our cores make torch's OpenMP barriers spin
+    and can slow a measurement several-fold, so measurements are best started in a quiet spell.
+    """
+    if max_wait_s <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    warned = False
+    while True:
+        load = foreign_load(0.5)
+        if load is None or load < threshold_cores:
+            return time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        if waited >= max_wait_s:
+            if log:
+                log(f"  machine still busy ({load:.2f} foreign cores) after {waited:.0f} s; measuring anyway")
+            return waited
+        if log and not warned:
+            log(f"  other processes use {load:.2f} cores; waiting up to {max_wait_s:.0f} s for a quiet spell")
+            warned = True
+
+
+# -- environment ---------------------------------------------------------------------
+def environment() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=5,
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", False
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "git_commit": commit + ("-dirty" if dirty else ""),
+        "loadavg": list(os.getloadavg()),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# -- step-time breakdown of the engine (profiling aid) --------------------------------
+class StepBreakdown:
+    """Wall-clock time per engine phase, by wrapping methods of live objects.
+
+    Wraps (on the instances / classes given, restored by `restore()`):
+    scheduler.schedule, runner._prepare, model.forward, PagedAttention.forward
+    (inside the model), model.compute_logits, sampler.__call__,
+    scheduler.update_after_step and EngineCore.step as the total. Nested phases
+    are reported exclusive of their children (the model's time excludes attention).
+    """
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._undo: list[Callable[[], None]] = []
+        self._stack: list[list[float]] = []
+
+    def _wrap(self, owner, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+        is_class = isinstance(owner, type)
+        breakdown = self
+
+        def timed(*args, **kwargs):
+            breakdown._stack.append([0.0])
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t
+                child = breakdown._stack.pop()[0]
+                breakdown.totals[name] = breakdown.totals.get(name, 0.0) + dt - child
+                breakdown.counts[name] = breakdown.counts.get(name, 0) + 1
+                if breakdown._stack:
+                    breakdown._stack[-1][0] += dt
+
+        if is_class:
+            setattr(owner, attr, timed)
+            self._undo.append(lambda: setattr(owner, attr, original))
+        else:
+            owner.__dict__[attr] = timed
+            self._undo.append(lambda: owner.__dict__.pop(attr, None))
+
+    def attach(self, core) -> "StepBreakdown":
+        from tessera_engine.attention import PagedAttention
+
+        runner = core.executor.runner
+        self._wrap(core, "step", "total_step")
+        self._wrap(core.scheduler, "schedule", "scheduler.schedule")
+        self._wrap(core.scheduler, "update_after_step", "scheduler.update_after_step")
+        self._wrap(runner, "_prepare", "runner._prepare (inputs, slots, masks)")
+        self._wrap(runner.model, "forward", "model forward excl. attention (matmuls, norms, rope)")
+        self._wrap(PagedAttention, "forward", "attention (cache write, gather, SDPA)")
+        self._wrap(runner.model, "compute_logits", "lm_head (compute_logits)")
+        self._wrap(type(runner.sampler), "__call__", "sampler")  # special method: class level
+        return self
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def report(self) -> dict:
+        total = self.totals.get("total_step", 0.0)
+        # total_step's exclusive time is what no wrapped phase covers (output building, dict work)
+        rows = {k: v for k, v in self.totals.items() if k != "total_step"}
+        rows["other (core.step outputs, runner bookkeeping)"] = total
+        whole = sum(rows.values())
+        return {
+            "steps": self.counts.get("total_step", 0),
+            "total_s": whole,
+            "phases": {k: {"seconds": v, "share": v / whole if whole else 0.0}
+                       for k, v in sorted(rows.items(), key=lambda kv: -kv[1])},
+        }

@@ -1,0 +1,451 @@
+#!/usr/bin/env python
+"""Stack overhead benchmark: the three-service stack, driven by a gRPC client, vs the in-process engine core.
+
+A benchmark, not a test. Workload (the engine benchmark's batch64): the 64 chat
+questions of benchmarks/common.py, greedy, max_tokens 128, ignore_eos, all
+submitted at t0.
+
+  inprocess  tessera_engine.core.EngineCore in this process (a fresh core, hence an
+             empty prefix cache, per measurement), stepped in a loop; the prompts
+             are the token ids the tokenizer service renders for the same chats.
+  stack      tokenizer, engine and frontend as three processes on free loopback
+             ports; this process is the client: 64 concurrent
+             FrontendService/Generate streams (chat messages) over grpc.aio.
+  engine     (a diagnostic, --no-engine-side skips it) the same engine process driven
+             directly on its Session stream with the in-process side's token ids: the
+             engine service alone, without frontend and tokenizer. It splits the
+             stack's gap into the engine service's part (engine / inprocess) and the
+             frontend + tokenizer part (stack / engine).
+
+Both sides get the same engine flags (--dtype, --kv-cache-gib, --max-num-seqs,
+--max-num-batched-tokens, --block-size, --threads, prefix caching) and alternate
+repeat by repeat. Each repeat prefixes every chat with its own system message, so
+the stack engine's prefix cache (it lives across repeats) never holds an earlier
+repeat's blocks: both sides start each measurement cold.
+
+Metrics (medians over --repeats are quoted):
+  output tokens/s  all output tokens / wall time from the first submission to the last token
+  TTFT             per request, submission -> its first token as the caller sees it
+                   (stack: the client's gRPC call -> the first streamed token; in-process:
+                   add_request -> the step that produced it); the median over requests
+
+Isolated-request TTFT (--ttft-probes, default 16): the same prompts one at a time
+(max_tokens 1) on each side, so the median difference is the stack's own per-request
+latency (tokenize, the gRPC hops, detokenize) without the batch-64 step quantization
+that dominates the TTFT of the concurrent workload on CPU.
+
+The last line printed is `stack_vs_inprocess=<stack tokens/s / in-process tokens/s>`.
+Results go to results/stack_overhead.json (or --out).
+
+  python benchmarks/stack_overhead.py                  # 3 repeats, ~5-8 min on 2 CPU cores
+  python benchmarks/stack_overhead.py --repeats 1 --output-tokens 32   # smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import environment, measure_usage, median, questions, wait_for_quiet  # noqa: E402
+
+from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
+from tessera.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
+                        tokenizer_pb2, tokenizer_pb2_grpc)
+from tessera_engine.config import EngineConfig  # noqa: E402
+from tessera_engine.core import EngineCore  # noqa: E402
+from tessera_engine.models.loader import load_model  # noqa: E402
+from tessera_engine.request import EngineCoreRequest  # noqa: E402
+from tessera_engine.sampling_params import SamplingParams  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+TARGETS = {"stack_vs_inprocess": 0.95, "ttft_added_ms": 10.0}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="measurements per side; medians are quoted")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--model", default=None, help="HF directory or GGUF file (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--dtype", default="auto", help="engine dtype on both sides (auto: fp32 CPU, bf16 CUDA)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
+    ap.add_argument("--ttft-probes", type=int, default=16, help="isolated requests per side for TTFT (0: none)")
+    ap.add_argument("--no-engine-side", action="store_true", help="skip the engine-service-alone diagnostic")
+    ap.add_argument("--wait-quiet", type=float, default=20.0,
+                    help="before each measurement wait up to this many seconds for other processes "
+                         "to use < 0.3 cores (0 = never wait)")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=str(REPO / "results" / "stack_overhead.json"))
+    return ap.parse_args(argv)
+
+
+# -- the stack ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class StackProcesses:
+    """The three services as child processes on free loopback ports (logs in a temp directory)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="tessera-bench-"))
+        self.ports = {name: _free_port() for name in ("tokenizer", "engine", "frontend")}
+        engine_flags = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
+                        "--max-num-seqs", str(args.max_num_seqs),
+                        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                        "--block-size", str(args.block_size),
+                        "--enable-prefix-caching", "false" if args.no_prefix_caching else "true"]
+        if args.threads:
+            engine_flags += ["--num-threads", str(args.threads)]
+        model = ["--model", args.model] if args.model else []
+        self.commands = {
+            "tokenizer": ["-m", "tessera_tokenizer", *model],
+            "engine": ["-m", "tessera_engine", *model, *engine_flags],
+            "frontend": ["-m", "tessera_frontend", "--http-port", "0",
+                         "--tokenizer-addr", f"{HOST}:{self.ports['tokenizer']}",
+                         "--engine-addrs", f"{HOST}:{self.ports['engine']}"],
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def addr(self, name: str) -> str:
+        return f"{HOST}:{self.ports[name]}"
+
+    def start(self, timeout_s: float) -> None:
+        env = {**os.environ, "TESSERA_BIND_HOST": HOST, "TESSERA_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1"}
+        for name, command in self.commands.items():
+            with open(self.log_dir / f"{name}.log", "wb") as out:
+                self.procs[name] = subprocess.Popen(
+                    [sys.executable, *command, "--port", str(self.ports[name])],
+                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        for name in self.commands:
+            with grpc.insecure_channel(self.addr(name)) as channel:
+                while True:
+                    if self.procs[name].poll() is not None:
+                        raise RuntimeError(f"{name} exited; see {self.log_dir / (name + '.log')}")
+                    try:
+                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                          timeout=2)
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{name} not SERVING after {timeout_s:g} s")
+                    time.sleep(0.25)
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def chats(repeat: int, n: int) -> list[tokenizer_pb2.ChatMessages]:
+    """The workload's chats for one repeat: its own system message, then one question each."""
+    system = f"You are a helpful assistant. (benchmark run {repeat})"
+    return [tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="system", content=system),
+                                                 tokenizer_pb2.ChatMessage(role="user", content=q)])
+            for q in questions(n)]
+
+
+async def run_stack(frontend_addr: str, prompts: list[tokenizer_pb2.ChatMessages], max_tokens: int) -> dict:
+    """All prompts as concurrent Generate streams; per-request first-token and finish times."""
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    async with grpc.aio.insecure_channel(frontend_addr, options=CHANNEL_OPTIONS) as channel:
+        stub = frontend_pb2_grpc.FrontendServiceStub(channel)
+        await channel.channel_ready()
+
+        async def one(i: int, chat: tokenizer_pb2.ChatMessages) -> dict:
+            sent = time.perf_counter()
+            first = last = None
+            tokens: list[int] = []
+            prompt_tokens = 0
+            async for response in stub.Generate(frontend_pb2.GenerateRequest(
+                    request_id=f"bench-{i}", chat=chat, sampling_params=params), timeout=3600):
+                now = time.perf_counter()
+                if response.token_ids:
+                    first = first or now
+                    last = now
+                    tokens.extend(response.token_ids)
+                if response.HasField("usage"):
+                    prompt_tokens = response.usage.prompt_tokens
+            return {"sent": sent, "first": first, "last": last, "tokens": tokens, "prompt_tokens": prompt_tokens}
+
+        with measure_usage() as usage:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(one(i, c) for i, c in enumerate(prompts)))
+            t_end = max(r["last"] for r in results)
+    return _summary(t0, t_end, [r["sent"] for r in results], [r["first"] for r in results],
+                    [r["tokens"] for r in results], usage) | {
+        "prompt_tokens": [r["prompt_tokens"] for r in results]}
+
+
+async def run_engine_direct(engine_addr: str, prompt_ids: list[list[int]], max_tokens: int, tag: str) -> dict:
+    """All prompts on one Session stream straight to the engine service (no frontend, no tokenizer)."""
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    n = len(prompt_ids)
+    first: list[float | None] = [None] * n
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    async with grpc.aio.insecure_channel(engine_addr, options=CHANNEL_OPTIONS) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def inputs():
+            while (message := await outbox.get()) is not None:
+                yield message
+
+        call = stub.Session(inputs())
+        index = {f"{tag}-{i}": i for i in range(n)}
+        finished = 0
+        with measure_usage() as usage:
+            t0 = time.perf_counter()
+            sent = []
+            for i, ids in enumerate(prompt_ids):
+                outbox.put_nowait(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
+                    request_id=f"{tag}-{i}", prompt_token_ids=ids, sampling_params=params)]))
+                sent.append(time.perf_counter())
+            async for step in call:
+                now = time.perf_counter()
+                for o in step.outputs:
+                    i = index[o.request_id]
+                    if o.new_token_ids:
+                        first[i] = first[i] or now
+                        tokens[i].extend(o.new_token_ids)
+                    if o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        finished += 1
+                if finished == n:
+                    break
+            t_end = time.perf_counter()
+        outbox.put_nowait(None)
+        call.cancel()
+    return _summary(t0, t_end, sent, first, tokens, usage)
+
+
+async def probe_stack(frontend_addr: str, prompts: list[tokenizer_pb2.ChatMessages]) -> list[float]:
+    """TTFT of each prompt sent alone (max_tokens 1), one after another."""
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=1)
+    out = []
+    async with grpc.aio.insecure_channel(frontend_addr, options=CHANNEL_OPTIONS) as channel:
+        stub = frontend_pb2_grpc.FrontendServiceStub(channel)
+        await channel.channel_ready()
+        for chat in prompts:
+            t0 = time.perf_counter()
+            async for response in stub.Generate(frontend_pb2.GenerateRequest(chat=chat, sampling_params=params)):
+                if response.token_ids:
+                    out.append(time.perf_counter() - t0)
+                    break
+    return out
+
+
+def probe_inprocess(new_core, prompt_ids: list[list[int]]) -> list[float]:
+    core = new_core()
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        t0 = time.perf_counter()
+        core.add_request(EngineCoreRequest(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=1)))
+        while not any(o.new_token_ids for o in core.step()):
+            pass
+        out.append(time.perf_counter() - t0)
+        while core.has_unfinished():
+            core.step()
+    return out
+
+
+def run_inprocess(new_core, prompt_ids: list[list[int]], max_tokens: int) -> dict:
+    """All prompts added to a fresh core at t0, stepped to completion (as engine_throughput does)."""
+    gc.collect()
+    core = new_core()
+    n = len(prompt_ids)
+    index = {f"r{i}": i for i in range(n)}
+    added = [0.0] * n
+    first: list[float | None] = [None] * n
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    with measure_usage() as usage:
+        t0 = time.perf_counter()
+        for i, ids in enumerate(prompt_ids):
+            core.add_request(EngineCoreRequest(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                            ignore_eos=True)))
+            added[i] = time.perf_counter()
+        while core.has_unfinished():
+            outs = core.step()
+            now = time.perf_counter()
+            for o in outs:
+                i = index[o.request_id]
+                if o.new_token_ids:
+                    first[i] = first[i] or now
+                    tokens[i].extend(o.new_token_ids)
+        t_end = time.perf_counter()
+    del core
+    gc.collect()
+    return _summary(t0, t_end, added, first, tokens, usage)
+
+
+def _summary(t0: float, t_end: float, sent: list[float], first: list[float | None], tokens: list[list[int]],
+             usage) -> dict:
+    ttft = [f - s for s, f in zip(sent, first) if f is not None]
+    total = sum(len(t) for t in tokens)
+    return {"output_tokens": total, "wall_s": t_end - t0, "tokens_per_s": total / (t_end - t0),
+            "ttft_median_s": median(ttft), "ttft_max_s": max(ttft) if ttft else None,
+            "foreign_cores": usage.foreign_cores, "_tokens": tokens}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gib=args.kv_cache_gib,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+                          num_threads=args.threads)
+    log(f"loading the model in-process ({config.resolved_dtype()}, {config.resolved_device()}) ...")
+    loaded = load_model(args.model, args.block_size, None, config.resolved_dtype(), config.resolved_device())
+
+    def new_core() -> EngineCore:
+        return EngineCore(config, loaded)
+
+    stack = StackProcesses(args)
+    log(f"starting the stack (logs in {stack.log_dir}) ...")
+    stack.start(args.startup_timeout)
+    sides = ["inprocess", "stack"] + ([] if args.no_engine_side else ["engine"])
+    results: dict = {side: [] for side in sides}
+    probes: dict = {}
+    matches = []
+    try:
+        tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(grpc.insecure_channel(stack.addr("tokenizer")))
+
+        def token_ids(prompts: list[tokenizer_pb2.ChatMessages]) -> list[list[int]]:
+            return [list(tokenizer.Tokenize(tokenizer_pb2.TokenizeRequest(chat=c), timeout=30).token_ids)
+                    for c in prompts]
+
+        def measure(side: str, repeat: int, prompts, ids) -> dict:
+            if side == "inprocess":
+                return run_inprocess(new_core, ids, args.output_tokens)
+            if side == "engine":
+                return asyncio.run(run_engine_direct(stack.addr("engine"), ids, args.output_tokens, f"e{repeat}"))
+            result = asyncio.run(run_stack(stack.addr("frontend"), prompts, args.output_tokens))
+            if result["prompt_tokens"] != [len(p) for p in ids]:
+                raise RuntimeError("the stack saw different prompt lengths than the in-process side")
+            return result
+
+        log("warm-up (every side) ...")
+        warm = chats(-1, 8)
+        run_inprocess(new_core, token_ids(warm), 8)
+        asyncio.run(run_stack(stack.addr("frontend"), warm, 8))
+
+        for repeat in range(args.repeats):
+            order = sides[repeat % len(sides):] + sides[:repeat % len(sides)]  # rotate who goes first
+            for k, side in enumerate(order):
+                # A fresh system message per measurement: the stack engine's prefix cache never helps.
+                prompts = chats(repeat * 10 + k, args.num_prompts)
+                ids = token_ids(prompts)
+                wait_for_quiet(args.wait_quiet, log=log)
+                result = measure(side, repeat, prompts, ids)
+                wrong = [i for i, t in enumerate(result["_tokens"]) if len(t) != args.output_tokens]
+                if wrong:
+                    raise RuntimeError(f"{side}: wrong number of tokens for requests {wrong[:5]}")
+                results[side].append(result)
+                log(f"  repeat {repeat} {side:9s}: {result['tokens_per_s']:8.1f} tok/s  "
+                    f"TTFT median {result['ttft_median_s'] * 1000:8.1f} ms  "
+                    f"(other processes: {result['foreign_cores'] or 0:.2f} cores)")
+            # Greedy on both sides: the outputs should agree (batching may differ in the last bits).
+            same = sum(len(set(map(tuple, pair))) == 1 for pair in zip(
+                results["inprocess"][-1]["_tokens"], results["stack"][-1]["_tokens"]))
+            matches.append(same / args.num_prompts)
+
+        if args.ttft_probes:
+            wait_for_quiet(args.wait_quiet, log=log)
+            for side in ("inprocess", "stack"):
+                prompts = chats(1000 + (side == "stack"), args.ttft_probes)
+                times = (probe_inprocess(new_core, token_ids(prompts)) if side == "inprocess"
+                         else asyncio.run(probe_stack(stack.addr("frontend"), prompts)))
+                probes[side] = median(times)
+                log(f"  isolated requests {side:9s}: TTFT median {probes[side] * 1000:8.1f} ms")
+    finally:
+        stack.stop()
+
+    def med(side: str, key: str) -> float:
+        return median(r[key] for r in results[side])
+
+    summary = {f"{side}_tokens_per_s": med(side, "tokens_per_s") for side in sides}
+    summary |= {f"{side}_ttft_median_ms": med(side, "ttft_median_s") * 1000 for side in sides}
+    summary["stack_vs_inprocess"] = summary["stack_tokens_per_s"] / summary["inprocess_tokens_per_s"]
+    summary["ttft_added_ms"] = summary["stack_ttft_median_ms"] - summary["inprocess_ttft_median_ms"]
+    if "engine" in sides:
+        summary["engine_service_vs_inprocess"] = summary["engine_tokens_per_s"] / summary["inprocess_tokens_per_s"]
+        summary["stack_vs_engine_service"] = summary["stack_tokens_per_s"] / summary["engine_tokens_per_s"]
+    if probes:
+        summary["isolated_ttft_inprocess_ms"] = probes["inprocess"] * 1000
+        summary["isolated_ttft_stack_ms"] = probes["stack"] * 1000
+        summary["isolated_ttft_added_ms"] = (probes["stack"] - probes["inprocess"]) * 1000
+    summary["greedy_outputs_identical_fraction"] = median(matches)
+    summary["targets"] = {k: {"target": v, "met": (summary[k] >= v if k == "stack_vs_inprocess" else summary[k] <= v)}
+                          for k, v in TARGETS.items()}
+
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("_") and k != "prompt_tokens"}  # noqa: E731
+    out.write_text(json.dumps({
+        "workload": {"prompts": args.num_prompts, "output_tokens": args.output_tokens, "greedy": True,
+                     "ignore_eos": True, "prompt_source": "benchmarks/common.py questions, as chats with a "
+                                                          "per-measurement system message"},
+        "engine_flags": {k: getattr(args, k) for k in ("dtype", "device", "kv_cache_gib", "max_num_seqs",
+                                                       "max_num_batched_tokens", "block_size", "threads")}
+                        | {"prefix_caching": not args.no_prefix_caching},
+        "summary": summary,
+        "runs": {side: [strip(r) for r in runs] for side, runs in results.items()},
+        "environment": environment(),
+    }, indent=2))
+
+    labels = {"inprocess": "in-process engine core", "engine": "engine service alone", "stack": "three-service stack"}
+    for side in sides:
+        print(f"{labels[side]:23s}: {summary[side + '_tokens_per_s']:8.1f} output tok/s   "
+              f"TTFT median {summary[side + '_ttft_median_ms']:8.1f} ms")
+    if "engine" in sides:
+        print(f"engine service / in-process: {summary['engine_service_vs_inprocess']:.3f}   "
+              f"stack / engine service: {summary['stack_vs_engine_service']:.3f}")
+    print(f"TTFT added by the stack (64 concurrent): {summary['ttft_added_ms']:.1f} ms "
+          f"(target <= {TARGETS['ttft_added_ms']:g})")
+    if probes:
+        print(f"TTFT added by the stack (isolated requests): {summary['isolated_ttft_added_ms']:.1f} ms "
+              f"({summary['isolated_ttft_inprocess_ms']:.1f} -> {summary['isolated_ttft_stack_ms']:.1f})")
+    print(f"greedy outputs identical on both sides: {summary['greedy_outputs_identical_fraction']:.0%}")
+    print(f"results: {out}")
+    print(f"stack_vs_inprocess={summary['stack_vs_inprocess']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

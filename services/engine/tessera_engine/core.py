@@ -243,6 +243,12 @@ class EngineCoreLoop:
     def start(self) -> None:
         self.thread.start()
 
+    def run_here(self) -> None:
+        """Run the loop on the calling thread instead of a new one (see server.load: on CPU,
+        the thread that loaded the model is the one whose torch thread team runs fastest)."""
+        self.thread = threading.current_thread()
+        self.run_loop()
+
     def alive(self) -> bool:
         return self.thread.is_alive() and self.error is None
 

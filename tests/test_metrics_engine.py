@@ -46,14 +46,7 @@ def engine():
     svc.start()
     channel = grpc.insecure_channel(svc.addr, options=CHANNEL_OPTIONS)
 
-    def serving():
-        assert svc.process.poll() is None, svc.log_tail()
-        try:
-            return health_status(channel) == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-    wait_for(serving, 300, "the engine to be SERVING", interval=0.2)
+    svc.wait_serving(time.monotonic() + 300)
     svc.stub = engine_pb2_grpc.EngineServiceStub(channel)
     svc.channel = channel
     yield svc

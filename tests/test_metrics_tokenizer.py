@@ -6,13 +6,13 @@ from __future__ import annotations
 import pathlib
 import queue
 import tempfile
+import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 
 from metrics_util import health_http, json_lines, scrape, wait_for
-from stack import Service, free_port, health_status
+from stack import Service, free_port
 from tessera.v1 import tokenizer_pb2 as pb
 from tessera.v1 import tokenizer_pb2_grpc
 
@@ -32,14 +32,7 @@ def tokenizer():
     svc.start()
     channel = grpc.insecure_channel(svc.addr)
 
-    def serving():
-        assert svc.process.poll() is None, svc.log_tail()
-        try:
-            return health_status(channel) == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-    wait_for(serving, 120, "the tokenizer to be SERVING", interval=0.1)
+    svc.wait_serving(time.monotonic() + 120)
     svc.stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
     yield svc
     channel.close()

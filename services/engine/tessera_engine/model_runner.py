@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from tessera_engine import cpu_kernels
 from tessera_engine.attention import AttentionMetadata, PrefillGroup
 from tessera_engine.sampler import Sampler, compute_logprobs
 from tessera_engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -47,6 +48,11 @@ class ModelRunner:
         self._arange_bs = torch.arange(block_size, device=device)
         self.num_kv_heads = hf_config.num_key_value_heads
         self._arange_kvh = torch.arange(self.num_kv_heads, device=device).view(1, -1, 1)
+        # fused CPU kernels (paged decode attention, norms), or None: torch ops
+        self.kernels = cpu_kernels.get() if device.type == "cpu" else None
+        if hasattr(model, "use_kernels"):
+            model.use_kernels(self.kernels)
+        self.sampler.kernels = self.kernels
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of a request with this block table."""
@@ -83,7 +89,12 @@ class ModelRunner:
             q_start += s.num_new_tokens
 
         meta = AttentionMetadata(torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0], len(decodes))
-        if decodes:
+        if decodes and self.kernels is not None:
+            max_blocks = max(len(s.block_table) for s in decodes)
+            meta.decode_block_tables = torch.tensor(
+                [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decodes], dtype=torch.long)
+            meta.decode_context_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long)
+        elif decodes:
             max_ctx = max(s.start for s in decodes) + 1
             max_blocks = -(-max_ctx // bs)
             L = max_blocks * bs
@@ -95,6 +106,8 @@ class ModelRunner:
         self._group_prefills(chunks, meta)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        if self.kernels is not None:
+            meta.kernels, meta.positions = self.kernels, positions
         return ordered, input_ids, positions, meta
 
     def _bias(self, valid: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

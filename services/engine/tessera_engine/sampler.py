@@ -38,6 +38,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
+        self.kernels = None  # fused CPU kernels (argmax over rows), set by the model runner
 
     def seed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -88,6 +89,8 @@ class Sampler:
         """logits [B, V] for the rows that sample this step, reqs in the same order."""
         if all(self._plain_greedy(r) for r in reqs):
             # greedy fast path: argmax of the raw logits (upcasting is exact, argmax keeps the first max)
+            if self.kernels is not None and logits.is_contiguous():
+                return SamplerOutput(self.kernels.argmax_rows(logits).tolist(), [None] * len(reqs))
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
         raw = logits
         logits = logits.float().clone()

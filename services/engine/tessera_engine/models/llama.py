@@ -64,16 +64,33 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm as HF computes it; with `residual`, adds x to it first (vLLM's fused form).
+
+    On CPU the fused kernels (tessera_engine.cpu_kernels) do either in one pass,
+    rounding where the torch ops round; `kernels` is set by the model runner.
+    """
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, with residual: (norm(residual + x), residual + x), the sum kept in residual."""
+        k = self.kernels if x.dtype == self.weight.dtype else None
+        if residual is None:
+            return k.rms_norm(x, self.weight, self.eps) if k is not None else self._norm(x)
+        if k is not None:
+            return k.add_rms_norm_(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self._norm(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -102,6 +119,12 @@ class RotaryEmbedding(nn.Module):
         half = emb.shape[-1] // 2
         sign = torch.cat((-torch.ones(half), torch.ones(emb.shape[-1] - half)))
         self.register_buffer("sin_signed", self.sin * sign, persistent=False)
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin for every position ([max_positions, dim]) in dtype."""
+        if self.cos.dtype != dtype:
+            return self.cos.to(dtype), self.sin_signed.to(dtype)
+        return self.cos, self.sin_signed
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ([T, 1, dim]) for apply_rotary_signed."""
@@ -144,6 +167,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if meta.kernels is not None:
+            # fused CPU kernel: rotary on q and k in place, k and v written to the cache;
+            # cos / sin are the whole tables, indexed by meta.positions
+            meta.kernels.rope_and_cache_(qkv, meta.positions, cos, sin, kv_cache[0], kv_cache[1],
+                                         meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+            return self.o_proj(self.attn.forward(q, None, None, kv_cache[0], kv_cache[1], meta))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # rotate q and k together: one set of elementwise ops for both
         qk = apply_rotary_signed(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
@@ -160,8 +190,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+    def forward(self, x, kernels=None):
+        gate_up = self.gate_up_proj(x)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -173,9 +206,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """x: the previous layer's MLP output (or the embeddings, residual None) -> (this
+        layer's MLP output, the residual stream before it); HF's two residual adds, fused
+        into the norms that follow them."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, meta.kernels), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -196,10 +237,20 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of T tokens → final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        if meta.kernels is not None:  # the fused rotary kernel indexes the tables itself
+            cos, sin = self.rotary.tables(x.dtype)
+        else:
+            cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+
+    def use_kernels(self, kernels) -> None:
+        """Fused CPU kernels for the norms (None: torch ops)."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

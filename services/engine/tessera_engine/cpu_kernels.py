@@ -1,0 +1,60 @@
+"""tessera's fused CPU kernels (csrc/cpu_kernels.cpp), built on first use.
+
+torch.utils.cpp_extension compiles them for the machine they run on (gcc and
+the Python headers; ninja from requirements) into TORCH_EXTENSIONS_DIR
+(default ~/.cache/torch_extensions), once (~30 s): later processes load the
+cached build in well under a second. `python -m tessera_engine.cpu_kernels`
+builds them ahead of time (make install does).
+
+Where they cannot be built (no compiler), or with TESSERA_CPU_KERNELS=0, get()
+returns None and the model falls back to plain torch ops, with one warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import threading
+
+log = logging.getLogger(__name__)
+
+_SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("TESSERA_CPU_KERNELS", "1") != "0"
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    return load(name="tessera_cpu_kernels", sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                verbose=os.environ.get("TESSERA_CPU_KERNELS_VERBOSE") == "1")
+
+
+def get():
+    """The compiled module, or None where it is turned off or cannot be built."""
+    if not enabled():
+        return None
+    with _lock:
+        if "module" not in _state:
+            try:
+                _state["module"] = _build()
+            except Exception as e:  # no compiler, headers or ninja: plain torch ops instead
+                log.warning("fused CPU kernels unavailable, using torch ops", extra={"error": str(e)[-500:]})
+                _state["module"] = None
+        return _state["module"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    logging.basicConfig(level=logging.WARNING)
+    mod = get()
+    print("tessera CPU kernels:", "built" if mod is not None else
+          "off (TESSERA_CPU_KERNELS=0)" if not enabled() else "NOT available: the engine uses torch ops")
+    # --require: fail where they cannot be built (a build that must have them)
+    sys.exit(1 if mod is None and enabled() and "--require" in sys.argv else 0)

@@ -1,0 +1,536 @@
+// tessera's CPU kernels: the decode step's memory-bound pieces, fused.
+//
+// On CPU a decode step spends most of its non-matmul time moving data: paged
+// attention gathered K/V into a padded copy, upcast it, then ran tiny batched
+// matmuls; RMSNorm, the residual add, SwiGLU and rotary embeddings each took
+// several elementwise passes (and allocations). These kernels do each in one
+// pass, reading the paged cache in place. They accumulate in float32, and
+// round to the tensor's dtype where the torch reference rounds, so results
+// match it to float32 rounding.
+//
+// Built at first use by torch.utils.cpp_extension (tessera_engine/cpu_kernels.py),
+// for the CPU it is built on (-march=native). Parallel over rows with
+// at::parallel_for (torch's own OpenMP team).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---- element conversion (vectorizes: bf16 -> f32 is a 16-bit shift) ----------------
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <>
+inline void from_float<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
+  // round to nearest even, as torch's float -> bfloat16 conversion (NaN -> 0x7FC0)
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16), qnan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < n; ++i) {
+    uint32_t u = s[i];
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    d[i] = std::isnan(src[i]) ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
+  }
+}
+
+// dot product with 16 independent partial sums (vectorizes without -ffast-math)
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) part[k] += a[i + k] * b[i + k];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int k = 0; k < 16; ++k) s += part[k];
+  return s;
+}
+
+// runs f(T{}) for the cache/model dtypes tessera uses: float32, bfloat16, float16
+template <typename F>
+void dispatch_dtype(at::ScalarType t, const char* what, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, what, ": unsupported dtype ", t);
+  }
+}
+
+// ---- vector helpers (AVX-512 where the build machine has it) ----------------------------
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// e^x: Cody-Waite range reduction, a degree-7 polynomial on |r| <= ln2/2 (relative
+// error ~5e-9), scaled by 2^n (inf past ~88; inputs under -87 give e^-87, not 0)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// softmax of s[0..L) in place (float32)
+inline void softmax_inplace(float* s, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; t + 16 <= L; t += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+  const float inv = 1.f / sum;
+  for (int64_t k = 0; k < L; ++k) s[k] *= inv;
+}
+
+// ---- paged decode attention ---------------------------------------------------------
+// One query token per sequence. q [N, H, d] (row stride may exceed H * d),
+// caches [slots, KVH, d], block_tables [N, max_blocks] (int64), context_lens [N].
+// Work item = (sequence, KV head): the g = H / KVH query heads sharing that KV
+// head read each K and V row once, straight from its cache block.
+struct DecodeShape {
+  int64_t KVH, g, d, block_size, kv_row;
+  float scale;
+};
+
+#if defined(__AVX512F__)
+// Heads [h0, h1) of one sequence. NV = d / 16 vectors per row. Blocks outer, heads
+// inner: a block's rows are read from memory once for all the heads of the range.
+template <typename T, int NV>
+void attend_vec(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t L,
+                int64_t h0, int64_t h1, const DecodeShape& sh, float* scores, float* acc, T* out,
+                int64_t o_head) {
+  const int64_t g = sh.g, bs = sh.block_size, nh = h1 - h0;
+  const __m512 vscale = _mm512_set1_ps(sh.scale);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const int64_t base = table[t0 / bs] * bs;
+    const int64_t n = std::min(bs, L - t0);
+    for (int64_t h = h0; h < h1; ++h) {
+      __m512 qv[16][NV];
+      for (int64_t j = 0; j < g; ++j)
+        for (int v = 0; v < NV; ++v)
+          qv[j][v] = _mm512_mul_ps(load16(q + (h * g + j) * q_head + 16 * v), vscale);
+      float* sc = scores + (h - h0) * g * L;
+      const T* kb = kc + base * sh.kv_row + h * sh.d;
+      for (int64_t o = 0; o < n; ++o) {
+        __m512 kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = load16(kb + o * sh.kv_row + 16 * v);
+        for (int64_t j = 0; j < g; ++j) {
+          __m512 a = _mm512_mul_ps(qv[j][0], kv[0]);
+          for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[j][v], kv[v], a);
+          sc[j * L + t0 + o] = _mm512_reduce_add_ps(a);
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nh * g; ++j) softmax_inplace(scores + j * L, L);
+  std::fill(acc, acc + nh * g * sh.d, 0.f);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const int64_t base = table[t0 / bs] * bs;
+    const int64_t n = std::min(bs, L - t0);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* sc = scores + (h - h0) * g * L;
+      float* ah = acc + (h - h0) * g * sh.d;
+      __m512 av[16][NV];
+      for (int64_t j = 0; j < g; ++j)
+        for (int v = 0; v < NV; ++v) av[j][v] = _mm512_loadu_ps(ah + j * sh.d + 16 * v);
+      const T* vb = vc + base * sh.kv_row + h * sh.d;
+      for (int64_t o = 0; o < n; ++o) {
+        __m512 vv[NV];
+        for (int v = 0; v < NV; ++v) vv[v] = load16(vb + o * sh.kv_row + 16 * v);
+        for (int64_t j = 0; j < g; ++j) {
+          const __m512 p = _mm512_set1_ps(sc[j * L + t0 + o]);
+          for (int v = 0; v < NV; ++v) av[j][v] = _mm512_fmadd_ps(p, vv[v], av[j][v]);
+        }
+      }
+      for (int64_t j = 0; j < g; ++j)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ah + j * sh.d + 16 * v, av[j][v]);
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t j = 0; j < g; ++j)
+      from_float(acc + ((h - h0) * g + j) * sh.d, out + (h * g + j) * o_head, sh.d);
+}
+#endif
+
+template <typename T>
+void attend_scalar_head(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t L,
+                        int64_t h, const DecodeShape& sh, float* scores, T* out, int64_t o_head) {
+  const int64_t g = sh.g, d = sh.d, bs = sh.block_size;
+  std::vector<float> qf(g * d), acc(g * d, 0.f), row(d);
+  for (int64_t j = 0; j < g; ++j) {
+    to_float(q + (h * g + j) * q_head, qf.data() + j * d, d);
+    for (int64_t x = 0; x < d; ++x) qf[j * d + x] *= sh.scale;
+  }
+  for (int64_t t = 0; t < L; ++t) {
+    to_float(kc + (table[t / bs] * bs + t % bs) * sh.kv_row + h * d, row.data(), d);
+    for (int64_t j = 0; j < g; ++j) scores[j * L + t] = dot(qf.data() + j * d, row.data(), d);
+  }
+  for (int64_t j = 0; j < g; ++j) softmax_inplace(scores + j * L, L);
+  for (int64_t t = 0; t < L; ++t) {
+    to_float(vc + (table[t / bs] * bs + t % bs) * sh.kv_row + h * d, row.data(), d);
+    for (int64_t j = 0; j < g; ++j) {
+      const float p = scores[j * L + t];
+      for (int64_t x = 0; x < d; ++x) acc[j * d + x] += p * row[x];
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) from_float(acc.data() + j * d, out + (h * g + j) * o_head, d);
+}
+
+template <typename T>
+void attend_scalar(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t L,
+                   int64_t h0, int64_t h1, const DecodeShape& sh, float* scores, float* /*acc*/, T* out,
+                   int64_t o_head) {
+  for (int64_t h = h0; h < h1; ++h) attend_scalar_head(q, q_head, kc, vc, table, L, h, sh, scores, out, o_head);
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           at::Tensor& out, double scale, int64_t block_size) {
+  const int64_t N = q.size(0), H = q.size(1), d = q.size(2);
+  const int64_t KVH = k_cache.size(1);
+  const DecodeShape sh{KVH, H / KVH, d, block_size, KVH * d, static_cast<float>(scale)};
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  using Fn = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
+                      const DecodeShape&, float*, float*, T*, int64_t);
+  Fn fn = &attend_scalar<T>;
+#if defined(__AVX512F__)
+  if (sh.g <= 16) {
+    if (d == 64) fn = &attend_vec<T, 4>;
+    else if (d == 128) fn = &attend_vec<T, 8>;
+    else if (d == 32) fn = &attend_vec<T, 2>;
+    else if (d == 256) fn = &attend_vec<T, 16>;
+  }
+#endif
+  // many sequences: one work item each (all KV heads, each block read once);
+  // few: one per (sequence, KV head) so every thread has work
+  const int64_t per = N >= 2 * at::get_num_threads() ? KVH : 1;
+  const int64_t parts = KVH / per;
+  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(per * sh.g * d);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / parts, h0 = (w % parts) * per;
+      const int64_t L = lens[i];
+      scores.resize(per * sh.g * L);
+      fn(qp + i * q_row, q_head, kp, vp, tables + i * max_blocks, L, h0, h0 + per, sh, scores.data(),
+         acc.data(), op + i * o_row, o_head);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens,
+                            double scale, int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, d] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens: int64");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  dispatch_dtype(q.scalar_type(), "decode_attention", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, block_size);
+  });
+  return out;
+}
+
+// ---- RMSNorm, optionally after adding the residual ------------------------------------
+// HF order: x (in the model's dtype) -> float -> x * rsqrt(mean(x^2) + eps) -> back to the
+// dtype -> times the weight (in the weight's dtype, here the model's).
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, float* buf, float* wf) {
+  to_float(x, buf, n);
+  float part[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) part[k] += buf[i + k] * buf[i + k];
+  float ss = 0.f;
+  for (; i < n; ++i) ss += buf[i] * buf[i];
+  for (int k = 0; k < 16; ++k) ss += part[k];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t k = 0; k < n; ++k) buf[k] *= r;
+  // round to the dtype before the weight multiply, as the reference does
+  from_float(buf, out, n);
+  to_float(out, buf, n);
+  to_float(w, wf, n);
+  for (int64_t k = 0; k < n; ++k) buf[k] *= wf[k];
+  from_float(buf, out, n);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous inputs");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and input share a dtype");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  at::Tensor out = at::empty_like(x);
+  dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(n), wf(n);
+      for (int64_t r = b; r < e; ++r)
+        rms_norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps), buf.data(), wf.data());
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to the dtype, as `residual + x` is); returns rms_norm(residual).
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "add_rms_norm_: contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: one dtype");
+  TORCH_CHECK(x.numel() == residual.numel(), "add_rms_norm_: shapes differ");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  at::Tensor out = at::empty_like(x);
+  dispatch_dtype(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(n), tmp(n), wf(n);
+      for (int64_t r = b; r < e; ++r) {
+        to_float(rp + r * n, buf.data(), n);
+        to_float(xp + r * n, tmp.data(), n);
+        for (int64_t k = 0; k < n; ++k) buf[k] += tmp[k];
+        from_float(buf.data(), rp + r * n, n);
+        rms_norm_row(rp + r * n, wp, op + r * n, n, static_cast<float>(eps), buf.data(), wf.data());
+      }
+    });
+  });
+  return out;
+}
+
+// ---- SwiGLU: silu(gate) * up, from the fused [rows, 2 * inter] projection -------------
+// Reference: F.silu(gate), rounded to the dtype, times up, rounded.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous(), "silu_and_mul: contiguous input");
+  const int64_t two = gate_up.size(-1), inter = two / 2, rows = gate_up.numel() / two;
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  dispatch_dtype(gate_up.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+      std::vector<float> gf(inter), uf(inter);
+      std::vector<scalar_t> sg(inter);
+      for (int64_t r = b; r < e; ++r) {
+        to_float(gp + r * two, gf.data(), inter);
+        to_float(gp + r * two + inter, uf.data(), inter);
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; k + 16 <= inter; k += 16) {
+          const __m512 x = _mm512_loadu_ps(gf.data() + k);
+          // e^-x overflows to inf for x < -88, as in torch: silu -> -0
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+          _mm512_storeu_ps(gf.data() + k, _mm512_div_ps(x, _mm512_add_ps(one, e)));
+        }
+#endif
+        for (; k < inter; ++k) gf[k] = gf[k] / (1.f + std::exp(-gf[k]));
+        from_float(gf.data(), sg.data(), inter);
+        to_float(sg.data(), gf.data(), inter);
+        for (k = 0; k < inter; ++k) gf[k] *= uf[k];
+        from_float(gf.data(), op + r * inter, inter);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- rotary embedding on q and k, and the step's K/V written to the cache ---------------
+// qkv [T, (H + 2 KVH) * d] (the fused projection); q rotated in place; rotated k and v
+// written to the cache rows slot_mapping[t]. cos, sin_signed [max_pos, d] tables in the
+// model's dtype (HF's rotate-half layout, the sign of rotate-half folded into sin). Rounds
+// as HF's `q * cos + rotate_half(q) * sin` in the model's dtype does.
+at::Tensor rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                           const at::Tensor& sin_signed, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "rope_and_cache_: qkv [T, width] with contiguous rows");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "rope_and_cache_: qkv width");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin_signed.scalar_type() == qkv.scalar_type() &&
+              cos.is_contiguous() && sin_signed.is_contiguous() && cos.size(1) == head_dim,
+              "rope_and_cache_: [max_pos, head_dim] tables in qkv's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+              positions.is_contiguous() && slot_mapping.is_contiguous(), "rope_and_cache_: int64 positions, slots");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "rope_and_cache_: caches contiguous, same dtype");
+  const int64_t T = qkv.size(0), d = head_dim, half = d / 2, row = qkv.stride(0);
+  const int64_t kv_row = num_kv_heads * d;
+  dispatch_dtype(qkv.scalar_type(), "rope_and_cache_", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = qkv.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin_signed.data_ptr<scalar_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+      std::vector<float> c(d), sn(d), x(d), a(d), rb(d);
+      std::vector<scalar_t> tmp(d);
+      for (int64_t t = b; t < e; ++t) {
+        to_float(cp + pos[t] * d, c.data(), d);
+        to_float(sp + pos[t] * d, sn.data(), d);
+        scalar_t* r = xp + t * row;
+        scalar_t* kdst = kc + slots[t] * kv_row;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+          scalar_t* src = r + h * d;
+          to_float(src, x.data(), d);
+          for (int64_t i = 0; i < d; ++i) a[i] = x[i] * c[i];
+          for (int64_t i = 0; i < half; ++i) rb[i] = x[i + half] * sn[i];
+          for (int64_t i = half; i < d; ++i) rb[i] = x[i - half] * sn[i];
+          // round each product, then the sum (the reference's three ops in the dtype)
+          from_float(a.data(), tmp.data(), d);
+          to_float(tmp.data(), a.data(), d);
+          from_float(rb.data(), tmp.data(), d);
+          to_float(tmp.data(), rb.data(), d);
+          for (int64_t i = 0; i < d; ++i) a[i] += rb[i];
+          from_float(a.data(), h < num_heads ? src : kdst + (h - num_heads) * d, d);
+        }
+        std::memcpy(vc + slots[t] * kv_row, r + (num_heads + num_kv_heads) * d, kv_row * sizeof(scalar_t));
+      }
+    });
+  });
+  return qkv;
+}
+
+// ---- greedy: the first index of each row's maximum (NaN counts as the maximum, as
+// torch.argmax) -----------------------------------------------------------------------
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "argmax_rows: contiguous [rows, V]");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  dispatch_dtype(logits.scalar_type(), "argmax_rows", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* lp = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(V);
+      for (int64_t r = b; r < e; ++r) {
+        to_float(lp + r * V, buf.data(), V);
+        const float* x = buf.data();
+        float m = -std::numeric_limits<float>::infinity();
+        bool nan = false;
+        int64_t k = 0;
+#if defined(__AVX512F__)
+        __m512 vm = _mm512_set1_ps(m);
+        __mmask16 unord = 0;
+        for (; k + 16 <= V; k += 16) {
+          const __m512 v = _mm512_loadu_ps(x + k);
+          unord |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          vm = _mm512_max_ps(vm, v);
+        }
+        m = _mm512_reduce_max_ps(vm);
+        nan = unord != 0;
+#endif
+        for (; k < V; ++k) { nan = nan || std::isnan(x[k]); if (x[k] > m) m = x[k]; }
+        int64_t best = 0;
+        if (nan) {  // torch's argmax treats NaN as the maximum: the first NaN
+          while (!std::isnan(x[best])) ++best;
+        } else {
+          k = 0;
+#if defined(__AVX512F__)
+          const __m512 vmax = _mm512_set1_ps(m);
+          for (; k + 16 <= V; k += 16) {
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + k), vmax, _CMP_EQ_OQ);
+            if (hit) break;
+          }
+#endif
+          while (k < V && x[k] != m) ++k;
+          best = k < V ? k : 0;
+        }
+        op[r] = best;
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged attention for single-token decodes");
+  m.def("rms_norm", &rms_norm, "RMSNorm");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
+  m.def("rope_and_cache_", &rope_and_cache_, "rotary on q and k in place; k and v written to the cache");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual)");
+}

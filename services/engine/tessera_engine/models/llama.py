@@ -23,43 +23,52 @@ def _packed_linear_available(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
+
+
 class PackedWeight:
     """A bf16 CPU weight reordered once into oneDNN's blocked layout.
 
     F.linear on CPU bf16 goes through oneDNN too but reorders the weight on every
     call; prepacking it gives the same results, faster (same idea as inductor's
-    weight prepacking). Repacked when the weight changes (its version counter).
-    Set TESSERA_PACKED_LINEAR=0 to turn it off.
+    weight prepacking). Repacked when the weight changes (its storage or version
+    counter). Set TESSERA_PACKED_LINEAR=0 to turn it off. The per-call path is
+    kept to a few attribute checks: at batch 1 a step makes ~120 of these calls.
     """
 
     def __init__(self) -> None:
-        self.key = None
         self.packed = None
+        self.ptr = 0
+        self.version = -1
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (self.packed is not None and weight._version == self.version and x.dtype == weight.dtype
+                and weight.data_ptr() == self.ptr):
+            if x.dim() == 2:
+                return _LINEAR(x if x.is_contiguous() else x.contiguous(), self.packed, bias, "none", [], "")
+            shape = x.shape
+            out = _LINEAR(x.reshape(-1, shape[-1]).contiguous(), self.packed, bias, "none", [], "")
+            return out.view(*shape[:-1], out.shape[-1])
         if x.dtype != weight.dtype or not _packed_linear_available(weight):
             return F.linear(x, weight, bias)
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
-        if key != self.key:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-            self.key = key
-        shape = x.shape
-        if x.dim() != 2:
-            x = x.reshape(-1, shape[-1])
-        if not x.is_contiguous():
-            x = x.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        self.ptr, self.version = weight.data_ptr(), weight._version
+        return self.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose bf16 CPU matmul runs on a prepacked weight (see PackedWeight)."""
+    """nn.Linear whose bf16 CPU matmul runs on a prepacked weight (see PackedWeight), and
+    for a single row (one sequence decoding) on the fused kernels' GEMV when set
+    (`gemv`, by the model runner): a memory-bound pass over the weight."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._pw = PackedWeight()
+        self.gemv = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.shape[0] == 1 and x.dim() == 2 and x.dtype == self.weight.dtype:
+            return self.gemv(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
         return self._pw.linear(x, self.weight, self.bias)
 
 
@@ -247,10 +256,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def use_kernels(self, kernels) -> None:
-        """Fused CPU kernels for the norms (None: torch ops)."""
+        """Fused CPU kernels for the norms and single-row bf16 linears (None: torch ops)."""
+        gemv = getattr(kernels, "gemv_bf16", None)  # built only where the CPU has AVX512-BF16
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.kernels = kernels
+            elif isinstance(m, Linear):
+                m.gemv = gemv if m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

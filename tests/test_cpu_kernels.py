@@ -182,3 +182,16 @@ def test_gemv_bf16_matches_float32_reference(n, k, bias):
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-3)
     with pytest.raises(RuntimeError, match="bfloat16"):
         K.gemv_bf16(x.float(), w.float(), None)
+
+
+def test_cpu_kernels_flag_and_env(monkeypatch):
+    from tessera_engine.server import parse_args
+
+    monkeypatch.delenv("TESSERA_CPU_KERNELS", raising=False)
+    assert parse_args([]).cpu_kernels is True and cpu_kernels.enabled()
+    assert parse_args(["--cpu-kernels", "false"]).cpu_kernels is False
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("TESSERA_CPU_KERNELS", off)
+        assert not cpu_kernels.enabled() and parse_args([]).cpu_kernels is False
+    monkeypatch.setenv("TESSERA_CPU_KERNELS", "1")
+    assert cpu_kernels.enabled()

@@ -269,6 +269,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
     add_flag(p, "--seed", "TESSERA_SEED", 0, type=int, help="seed of the sampler's shared generator")
     add_flag(p, "--num-threads", "TESSERA_NUM_THREADS", None, type=int, help="torch CPU threads")
+    add_flag(p, "--cpu-kernels", "TESSERA_CPU_KERNELS", True, type=bool,
+             help="fused C++ kernels on CPU (built with gcc at install or first start; torch ops where they cannot be)")
+    add_flag(p, "--cpu-kernels-prebuilt", "TESSERA_CPU_KERNELS_PREBUILT", None,
+             help="load the fused CPU kernels from this module file instead of building them (the engine image)")
     add_metrics_flag(p, "engine")
     return p.parse_args(argv)
 
@@ -332,6 +336,10 @@ def _report_load_failure(task: asyncio.Task) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     setup_logging("engine", args.log_level)
+    # read by tessera_engine.cpu_kernels
+    os.environ["TESSERA_CPU_KERNELS"] = "1" if args.cpu_kernels else "0"
+    if args.cpu_kernels_prebuilt:
+        os.environ["TESSERA_CPU_KERNELS_PREBUILT"] = args.cpu_kernels_prebuilt
     asyncio.run(serve(args))
 
 

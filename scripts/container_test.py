@@ -302,6 +302,12 @@ def main() -> int:
         stream_grpc(ports["FRONTEND_GRPC"])
         stream_http(ports["FRONTEND_HTTP"])
         phase("requests", t)
+        # the engine image carries its fused CPU kernels, built in the builder stage
+        engine_log = run([*compose, "logs", "--no-color", "engine"], env=env, capture=True, quiet=True,
+                         check=False).stdout
+        if "fused CPU kernels loaded" not in engine_log:
+            raise RuntimeError("the engine container did not load its prebuilt CPU kernels:\n" + engine_log[-3000:])
+        log("engine: fused CPU kernels loaded (prebuilt in the image)")
         stats = run(["docker", "stats", "--no-stream", "--format", "{{.Name}} cpu {{.CPUPerc}} mem {{.MemUsage}}"],
                     env=env, capture=True, quiet=True, check=False).stdout
         log("containers:\n" + stats.strip())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import sys
 import threading
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,11 @@ def _build():
     prebuilt = os.environ.get("TESSERA_CPU_KERNELS_PREBUILT")
     if prebuilt:
         return _load_prebuilt(prebuilt)
+    # ninja comes from the venv (requirements); a venv's python run by path has no
+    # activated PATH, so put its bin directory first for torch's build step
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     from torch.utils.cpp_extension import load
 
     return load(name="tessera_cpu_kernels", sources=[str(_SOURCE)],
@@ -63,15 +69,15 @@ def get():
         if "module" not in _state:
             try:
                 _state["module"] = _build()
+                log.info("fused CPU kernels loaded", extra={"file": getattr(_state["module"], "__file__", None)})
             except Exception as e:  # no compiler, headers or ninja: plain torch ops instead
                 log.warning("fused CPU kernels unavailable, using torch ops", extra={"error": str(e)[-500:]})
-                _state["module"] = None
+                _state["module"], _state["error"] = None, e
         return _state["module"]
 
 
 if __name__ == "__main__":
     import shutil
-    import sys
 
     logging.basicConfig(level=logging.WARNING)
     mod = get()
@@ -79,6 +85,7 @@ if __name__ == "__main__":
     if mod is not None and "--copy-to" in sys.argv:
         shutil.copy(mod.__file__, sys.argv[sys.argv.index("--copy-to") + 1])
     print("tessera CPU kernels:", "built" if mod is not None else
-          "off (TESSERA_CPU_KERNELS=0)" if not enabled() else "NOT available: the engine uses torch ops")
+          "off (TESSERA_CPU_KERNELS=0)" if not enabled() else
+          f"NOT available, the engine uses torch ops: {str(_state.get('error'))[-2000:]}")
     # --require: fail where they cannot be built (a build that must have them)
     sys.exit(1 if mod is None and enabled() and "--require" in sys.argv else 0)

@@ -310,13 +310,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 template <typename T>
 void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, float* buf, float* wf) {
   to_float(x, buf, n);
-  float part[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int k = 0; k < 16; ++k) part[k] += buf[i + k] * buf[i + k];
-  float ss = 0.f;
-  for (; i < n; ++i) ss += buf[i] * buf[i];
-  for (int k = 0; k < 16; ++k) ss += part[k];
+  const float ss = dot(buf, buf, n);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t k = 0; k < n; ++k) buf[k] *= r;
   // round to the dtype before the weight multiply, as the reference does

@@ -111,6 +111,18 @@ def test_argmax_rows_matches_torch_ties_nan_and_inf(dtype):
 def test_bad_input_is_refused_with_a_clear_error():
     with pytest.raises(RuntimeError, match="unsupported dtype"):
         K.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="weight has 3 elements, rows have 4"):
+        K.rms_norm(torch.zeros(2, 4), torch.ones(3), 1e-5)
+    with pytest.raises(RuntimeError, match="residual and input shapes differ"):
+        K.add_rms_norm_(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(4), 1e-5)
+    q, cache = torch.zeros(1, 2, 8), torch.zeros(16, 2, 8)
+    with pytest.raises(RuntimeError, match="context length 17 does not fit its block table"):
+        K.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([17]), 1.0, 16)
+    with pytest.raises(RuntimeError, match="one block table row and one context length per query"):
+        K.decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([1]), 1.0, 16)
+    with pytest.raises(RuntimeError, match="one position and one cache slot per token"):
+        K.rope_and_cache_(torch.zeros(2, 32), torch.zeros(1, dtype=torch.long), torch.zeros(4, 8),
+                          torch.zeros(4, 8), cache, cache, torch.zeros(2, dtype=torch.long), 2, 1, 8)
     with pytest.raises(RuntimeError, match="int64"):
         K.decode_attention(torch.zeros(1, 2, 8), torch.zeros(16, 2, 8), torch.zeros(16, 2, 8),
                            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.long), 1.0, 16)

@@ -50,8 +50,7 @@ class ModelRunner:
         self._arange_kvh = torch.arange(self.num_kv_heads, device=device).view(1, -1, 1)
         # fused CPU kernels (paged decode attention, norms), or None: torch ops
         self.kernels = cpu_kernels.get() if device.type == "cpu" else None
-        if hasattr(model, "use_kernels"):
-            model.use_kernels(self.kernels)
+        model.use_kernels(self.kernels)
         self.sampler.kernels = self.kernels
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:

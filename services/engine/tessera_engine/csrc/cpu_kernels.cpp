@@ -296,6 +296,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens: int64");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "decode_attention: one block table row and one context length per query");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < q.size(0); ++i)
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= block_tables.size(1) * block_size,
+                "decode_attention: context length ", lens[i], " does not fit its block table");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   dispatch_dtype(q.scalar_type(), "decode_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -306,9 +312,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 
 // ---- RMSNorm, optionally after adding the residual ------------------------------------
 // HF order: x (in the model's dtype) -> float -> x * rsqrt(mean(x^2) + eps) -> back to the
-// dtype -> times the weight (in the weight's dtype, here the model's).
+// dtype -> times the weight (in the weight's dtype, here the model's). With a residual:
+// residual += x first (rounded to the dtype, as `residual + x` is), normed from that sum.
+// wf: the weight already in float32.
 template <typename T>
-void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, float* buf, float* wf) {
+void rms_norm_row(const T* x, const float* wf, T* out, int64_t n, float eps, float* buf) {
   to_float(x, buf, n);
   const float ss = dot(buf, buf, n);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -316,57 +324,52 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t n, float eps, float* b
   // round to the dtype before the weight multiply, as the reference does
   from_float(buf, out, n);
   to_float(out, buf, n);
-  to_float(w, wf, n);
   for (int64_t k = 0; k < n; ++k) buf[k] *= wf[k];
   from_float(buf, out, n);
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm: contiguous inputs");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and input share a dtype");
+at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps,
+                         const char* name) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && (!residual || residual->is_contiguous()),
+              name, ": contiguous inputs");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && (!residual || residual->scalar_type() == x.scalar_type()),
+              name, ": one dtype for the input, residual and weight");
   const int64_t n = x.size(-1), rows = x.numel() / n;
+  TORCH_CHECK(weight.numel() == n, name, ": weight has ", weight.numel(), " elements, rows have ", n);
+  TORCH_CHECK(!residual || residual->numel() == x.numel(), name, ": residual and input shapes differ");
   at::Tensor out = at::empty_like(x);
-  dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+  dispatch_dtype(x.scalar_type(), name, [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> buf(n), wf(n);
-      for (int64_t r = b; r < e; ++r)
-        rms_norm_row(xp + r * n, wp, op + r * n, n, static_cast<float>(eps), buf.data(), wf.data());
+      std::vector<float> buf(n), tmp(n), wf(n);
+      to_float(wp, wf.data(), n);
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* src = xp + r * n;
+        if (rp) {
+          to_float(rp + r * n, buf.data(), n);
+          to_float(src, tmp.data(), n);
+          for (int64_t k = 0; k < n; ++k) buf[k] += tmp[k];
+          from_float(buf.data(), rp + r * n, n);
+          src = rp + r * n;
+        }
+        rms_norm_row(src, wf.data(), op + r * n, n, static_cast<float>(eps), buf.data());
+      }
     });
   });
   return out;
 }
 
-// residual += x (rounded to the dtype, as `residual + x` is); returns rms_norm(residual).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, nullptr, weight, eps, "rms_norm");
+}
+
+// residual += x; returns rms_norm(residual)
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
-              "add_rms_norm_: contiguous inputs");
-  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm_: one dtype");
-  TORCH_CHECK(x.numel() == residual.numel(), "add_rms_norm_: shapes differ");
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  at::Tensor out = at::empty_like(x);
-  dispatch_dtype(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-      std::vector<float> buf(n), tmp(n), wf(n);
-      for (int64_t r = b; r < e; ++r) {
-        to_float(rp + r * n, buf.data(), n);
-        to_float(xp + r * n, tmp.data(), n);
-        for (int64_t k = 0; k < n; ++k) buf[k] += tmp[k];
-        from_float(buf.data(), rp + r * n, n);
-        rms_norm_row(rp + r * n, wp, op + r * n, n, static_cast<float>(eps), buf.data(), wf.data());
-      }
-    });
-  });
-  return out;
+  return rms_norm_impl(x, &residual, weight, eps, "add_rms_norm_");
 }
 
 // ---- SwiGLU: silu(gate) * up, from the fused [rows, 2 * inter] projection -------------
@@ -426,6 +429,8 @@ at::Tensor rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const a
               positions.is_contiguous() && slot_mapping.is_contiguous(), "rope_and_cache_: int64 positions, slots");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
               v_cache.scalar_type() == qkv.scalar_type(), "rope_and_cache_: caches contiguous, same dtype");
+  TORCH_CHECK(positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
+              "rope_and_cache_: one position and one cache slot per token");
   const int64_t T = qkv.size(0), d = head_dim, half = d / 2, row = qkv.stride(0);
   const int64_t kv_row = num_kv_heads * d;
   dispatch_dtype(qkv.scalar_type(), "rope_and_cache_", [&](auto tag) {

@@ -63,6 +63,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import environment, measure_usage, median, questions, wait_for_quiet  # noqa: E402
 
+from tessera.common import aio  # noqa: E402
 from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
 from tessera.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
                         tokenizer_pb2, tokenizer_pb2_grpc)
@@ -95,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the frontend's --stream-interval (tokens per streamed message after the first)")
+    ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                    help="event loop of the stack's services and of this gRPC client")
     ap.add_argument("--ttft-probes", type=int, default=16, help="isolated requests per side for TTFT (0: none)")
     ap.add_argument("--no-engine-side", action="store_true", help="skip the engine-service-alone diagnostic")
     ap.add_argument("--wait-quiet", type=float, default=20.0,
@@ -129,17 +134,19 @@ class StackProcesses:
         self.commands = {
             "tokenizer": ["-m", "tessera_tokenizer", *model],
             "engine": ["-m", "tessera_engine", *model, *engine_flags],
-            "frontend": ["-m", "tessera_frontend", "--http-port", "0",
+            "frontend": ["-m", "tessera_frontend", "--http-port", "0", "--stream-interval", str(args.stream_interval),
                          "--tokenizer-addr", f"{HOST}:{self.ports['tokenizer']}",
                          "--engine-addrs", f"{HOST}:{self.ports['engine']}"],
         }
         self.procs: dict[str, subprocess.Popen] = {}
+        self.event_loop = args.event_loop
 
     def addr(self, name: str) -> str:
         return f"{HOST}:{self.ports[name]}"
 
     def start(self, timeout_s: float) -> None:
-        env = {**os.environ, "TESSERA_BIND_HOST": HOST, "TESSERA_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TESSERA_BIND_HOST": HOST, "TESSERA_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1",
+               "TESSERA_EVENT_LOOP": self.event_loop}
         for name, command in self.commands.items():
             with open(self.log_dir / f"{name}.log", "wb") as out:
                 self.procs[name] = subprocess.Popen(
@@ -354,8 +361,9 @@ def main(argv=None) -> int:
             if side == "inprocess":
                 return run_inprocess(new_core, ids, args.output_tokens)
             if side == "engine":
-                return asyncio.run(run_engine_direct(stack.addr("engine"), ids, args.output_tokens, f"e{repeat}"))
-            result = asyncio.run(run_stack(stack.addr("frontend"), prompts, args.output_tokens))
+                return aio.run(run_engine_direct(stack.addr("engine"), ids, args.output_tokens, f"e{repeat}"),
+                               args.event_loop)
+            result = aio.run(run_stack(stack.addr("frontend"), prompts, args.output_tokens), args.event_loop)
             if result["prompt_tokens"] != [len(p) for p in ids]:
                 raise RuntimeError("the stack saw different prompt lengths than the in-process side")
             return result
@@ -363,7 +371,7 @@ def main(argv=None) -> int:
         log("warm-up (every side) ...")
         warm = chats(-1, 8)
         run_inprocess(new_core, token_ids(warm), 8)
-        asyncio.run(run_stack(stack.addr("frontend"), warm, 8))
+        aio.run(run_stack(stack.addr("frontend"), warm, 8), args.event_loop)
 
         for repeat in range(args.repeats):
             order = sides[repeat % len(sides):] + sides[:repeat % len(sides)]  # rotate who goes first
@@ -390,7 +398,7 @@ def main(argv=None) -> int:
             for side in ("inprocess", "stack"):
                 prompts = chats(1000 + (side == "stack"), args.ttft_probes)
                 times = (probe_inprocess(new_core, token_ids(prompts)) if side == "inprocess"
-                         else asyncio.run(probe_stack(stack.addr("frontend"), prompts)))
+                         else aio.run(probe_stack(stack.addr("frontend"), prompts), args.event_loop))
                 probes[side] = median(times)
                 log(f"  isolated requests {side:9s}: TTFT median {probes[side] * 1000:8.1f} ms")
     finally:
@@ -424,6 +432,7 @@ def main(argv=None) -> int:
         "engine_flags": {k: getattr(args, k) for k in ("dtype", "device", "kv_cache_gib", "max_num_seqs",
                                                        "max_num_batched_tokens", "block_size", "threads")}
                         | {"prefix_caching": not args.no_prefix_caching},
+        "stack_flags": {"stream_interval": args.stream_interval, "event_loop": args.event_loop},
         "summary": summary,
         "runs": {side: [strip(r) for r in runs] for side, runs in results.items()},
         "environment": environment(),

@@ -26,6 +26,7 @@ import time
 
 import grpc
 
+from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
 from tessera.common.logs import client_request_id, setup_logging
@@ -305,7 +306,7 @@ async def serve(args: argparse.Namespace) -> None:
     server.add_insecure_port(addr)
     await server.start()
     await health.set(False)
-    log.info("engine listening", extra={"addr": addr})
+    log.info("engine listening", extra={"addr": addr, "event_loop": aio.loop_name()})
     metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
 
     stop = asyncio.Event()
@@ -340,7 +341,7 @@ def main(argv=None) -> None:
     os.environ["TESSERA_CPU_KERNELS"] = "1" if args.cpu_kernels else "0"
     if args.cpu_kernels_prebuilt:
         os.environ["TESSERA_CPU_KERNELS_PREBUILT"] = args.cpu_kernels_prebuilt
-    asyncio.run(serve(args))
+    aio.run(serve(args), args.event_loop)
 
 
 if __name__ == "__main__":

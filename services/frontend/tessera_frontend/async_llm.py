@@ -3,7 +3,10 @@
 `generate(request_id, prompt, params)` tokenizes the prompt (chat messages through
 the model's chat template), builds the EngineRequest, submits it to a replica and
 yields a `GenerationOutput` per sample per engine step until every sample has
-finished. If the consumer goes away first (the call is cancelled or the generator
+finished. With a stream interval N > 1 (vLLM's and SGLang's `--stream-interval`) a
+sample's first output goes out at once, then its outputs are held and merged until
+they hold N tokens or the sample finishes: N times fewer messages to the client,
+the same text and tokens in the end. If the consumer goes away first (the call is cancelled or the generator
 is closed), the request is aborted in the engine and cancelled on the detokenize
 stream. Failures surface as `GenerateError(code, message)`.
 
@@ -69,13 +72,22 @@ class GenerationOutput:
     def finished(self) -> bool:
         return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
+    def merged_with(self, later: "GenerationOutput") -> "GenerationOutput":
+        """This output followed by `later` of the same choice, as one (the later one's status)."""
+        return dataclasses.replace(
+            later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+
 
 class AsyncLLM:
     """Tokenizer + engine replicas + output processor behind one generate() call."""
 
-    def __init__(self, tokenizer: TokenizerClient, engine: EngineCoreClient) -> None:
+    def __init__(self, tokenizer: TokenizerClient, engine: EngineCoreClient, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1 (got {stream_interval})")
         self.tokenizer = tokenizer
         self.engine = engine
+        self.stream_interval = stream_interval
         self.processor = OutputProcessor(tokenizer, engine.abort)
 
     def start(self) -> None:
@@ -129,6 +141,8 @@ class AsyncLLM:
                              want_token_texts=params.HasField("logprobs") or params.HasField("prompt_logprobs"))
         self.processor.add_request(state)
         finished = completion_tokens = cached_tokens = 0
+        held: dict[int, GenerationOutput] = {}  # per choice: output not yet yielded (stream_interval)
+        started: set[int] = set()  # choices whose first output went out
         try:
             try:
                 replica = self.engine.submit(engine_pb2.EngineRequest(
@@ -154,9 +168,17 @@ class AsyncLLM:
                         usage = common_pb2.Usage(prompt_tokens=len(prompt_ids),
                                                  completion_tokens=completion_tokens,
                                                  cached_prompt_tokens=cached_tokens)
-                yield GenerationOutput(request_id, out.index, out.text, out.token_ids, out.logprobs,
+                gen = GenerationOutput(request_id, out.index, out.text, out.token_ids, out.logprobs,
                                        out.finish_reason, out.stop_reason, usage, out.stop_token_id,
                                        out.prompt_logprobs, len(prompt_ids))
+                if out.index in held:
+                    gen = held.pop(out.index).merged_with(gen)
+                if (self.stream_interval > 1 and out.index in started and not gen.finished
+                        and len(gen.token_ids) < self.stream_interval):
+                    held[out.index] = gen  # sent with a later output of this choice
+                    continue
+                started.add(out.index)
+                yield gen
         finally:
             if self.processor.release(engine_id):
                 self.engine.abort([engine_id])

@@ -23,6 +23,7 @@ import signal
 
 import grpc
 
+from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
 from tessera.common.logs import setup_logging
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "outstanding than the least loaded")
     add_flag(parser, "--max-inflight-requests", "TESSERA_MAX_INFLIGHT_REQUESTS", 256, type=int,
              help="requests in flight past which new ones are refused (RESOURCE_EXHAUSTED / HTTP 429)")
+    add_flag(parser, "--stream-interval", "TESSERA_STREAM_INTERVAL", 1, type=int,
+             help="tokens per streamed message after a choice's first (as vLLM's --stream-interval): 1 sends "
+                  "every token at once; N > 1 holds them until N are ready or the choice ends (fewer messages, "
+                  "less CPU per token)")
     add_flag(parser, "--max-n", "TESSERA_MAX_N", 16, type=int, help="largest n a request may ask for")
     add_flag(parser, "--max-logprobs", "TESSERA_MAX_LOGPROBS", 20, type=int,
              help="largest logprobs / prompt_logprobs a request may ask for")
@@ -100,7 +105,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine = EngineCoreClient(parse_engine_addrs(args.engine_addrs),
                               Router(max_imbalance=args.affinity_max_imbalance),
                               resolve_interval_s=args.engine_resolve_interval)
-    llm = AsyncLLM(tokenizer, engine)
+    llm = AsyncLLM(tokenizer, engine, stream_interval=args.stream_interval)
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
     admission = AdmissionController(args.max_inflight_requests)
 
@@ -120,7 +125,8 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("frontend listening", extra={"port": port, "http_port": args.http_port or None,
                                           "tokenizer": args.tokenizer_addr,
                                           "engines": [str(e) for e in engine.entries],
-                                          "max_inflight_requests": args.max_inflight_requests})
+                                          "max_inflight_requests": args.max_inflight_requests,
+                                          "event_loop": aio.loop_name()})
     llm.start()
     readiness = asyncio.create_task(watch_readiness(llm, health), name="readiness")
 
@@ -148,13 +154,13 @@ def main(argv: list[str] | None = None) -> None:
         parse_engine_addrs(args.engine_addrs)
     except ValueError as exc:
         parser.error(f"--engine-addrs: {exc}")
-    for flag in ("max_inflight_requests", "max_n", "engine_resolve_interval"):
+    for flag in ("max_inflight_requests", "max_n", "engine_resolve_interval", "stream_interval"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if not 0 <= args.http_port < 65536:
         parser.error("--http-port must be in [0, 65535]")
     setup_logging("frontend", args.log_level)
-    asyncio.run(serve(args))
+    aio.run(serve(args), args.event_loop)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 import grpc
 
+from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection, request_id_from
 from tessera.common.logs import client_request_id, setup_logging
@@ -418,7 +419,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     await health.set(False)
     await server.start()
-    log.info("listening", extra={"address": f"{host}:{port}"})
+    log.info("listening", extra={"address": f"{host}:{port}", "event_loop": aio.loop_name()})
     metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
 
     stopping = asyncio.Event()
@@ -459,4 +460,4 @@ async def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging("tokenizer", args.log_level)
-    return asyncio.run(serve(args))
+    return aio.run(serve(args), args.event_loop)

@@ -241,8 +241,10 @@ async def run_engine_direct(engine_addr: str, prompt_ids: list[list[int]], max_t
             t0 = time.perf_counter()
             sent = []
             for i, ids in enumerate(prompt_ids):
+                # as a frontend does in a burst: all but the last say more are coming
                 outbox.put_nowait(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
-                    request_id=f"{tag}-{i}", prompt_token_ids=ids, sampling_params=params)]))
+                    request_id=f"{tag}-{i}", prompt_token_ids=ids, sampling_params=params)],
+                    more_coming=i < n - 1))
                 sent.append(time.perf_counter())
             async for step in call:
                 now = time.perf_counter()

@@ -192,3 +192,16 @@ def test_admission_counts_and_releases():
         admission.admit(3)  # all or none
     one.release()
     assert admission.in_flight == 0
+
+
+# -- the Session messages a frontend sends --------------------------------------------------
+def test_merged_session_inputs_keep_the_latest_more_coming_hint():
+    from tessera.v1 import engine_pb2
+    from tessera_frontend.engine_client import _merge_inputs
+
+    first = engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(request_id="a")], more_coming=True)
+    _merge_inputs(first, engine_pb2.SessionInput(abort=engine_pb2.AbortRequests(request_ids=["x"])))
+    assert first.more_coming  # an abort says nothing about what is coming
+    _merge_inputs(first, engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(request_id="b")]))
+    assert not first.more_coming  # the last add said the burst is complete
+    assert [r.request_id for r in first.add] == ["a", "b"] and list(first.abort.request_ids) == ["x"]

@@ -23,6 +23,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"    # fcfs or priority
+    # the core loop: how long an idle engine waits for a burst the frontend says is coming
+    # (SessionInput.more_coming) before its first step; 0 = never wait
+    idle_batch_wait_ms: float = 20.0
     # misc
     seed: int = 0
     num_threads: int | None = None     # torch CPU threads; None = torch's default
@@ -48,5 +51,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.idle_batch_wait_ms < 0:
+            raise ValueError("idle_batch_wait_ms must be >= 0")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")

@@ -227,7 +227,15 @@ OutputCallback = Callable[[int, list[EngineCoreOutput], EngineStats, "IterationS
 
 
 class EngineCoreLoop:
-    """Runs EngineCore.run_loop on its own thread; other threads talk to it through a queue."""
+    """Runs EngineCore.run_loop on its own thread; other threads talk to it through a queue.
+
+    Burst start: a frontend that has more requests on their way says so with each
+    message (`more_coming`, after the message's adds). An engine that was idle then
+    keeps taking inputs, up to config.idle_batch_wait_ms, until a message without the
+    hint arrives, and only then runs its first step: a burst of requests starts in one
+    step instead of its first few arrivals taking a prefill step on their own while the
+    rest wait behind it. A running engine never waits.
+    """
 
     def __init__(self, core: EngineCore, on_outputs: OutputCallback,
                  fault_after_steps: int | None = None) -> None:
@@ -258,6 +266,10 @@ class EngineCoreLoop:
     def abort(self, request_ids: list[str]) -> None:
         self.inputs.put(("abort", request_ids))
 
+    def more_coming(self, more: bool) -> None:
+        """The sender's hint after its adds: more requests are on their way (see the class doc)."""
+        self.inputs.put(("more", more))
+
     def abort_client(self, client_id: str) -> None:
         self.inputs.put(("abort_client", client_id))
 
@@ -278,24 +290,40 @@ class EngineCoreLoop:
         elif kind == "abort_client":
             outs.extend(self.core.abort_client(arg))  # nobody reads them, but they are counted and logged
 
+    def _take_inputs(self, outs: list[EngineCoreOutput], idle: bool) -> bool | None:
+        """Handle the queued inputs; True when there were any, None when told to stop.
+
+        Idle: block for the first input (nothing to run), then, while the latest hint
+        says more requests are coming, wait for them up to idle_batch_wait_ms.
+        """
+        handled = more = False
+        block = idle
+        deadline = None
+        while True:
+            timeout = None if block else (max(0.0, deadline - time.monotonic()) if more else 0.0)
+            try:
+                kind, arg = self.inputs.get(block=block or timeout > 0, timeout=timeout)
+            except queue.Empty:
+                return handled
+            if kind == "stop":
+                return None
+            if kind == "more":
+                more = bool(arg) and idle and self.core.config.idle_batch_wait_ms > 0
+                if more and deadline is None:
+                    deadline = time.monotonic() + self.core.config.idle_batch_wait_ms / 1000
+                continue
+            self._handle(kind, arg, outs)
+            handled = True
+            block = False
+
     def run_loop(self) -> None:
         """receive → add → schedule → execute → emit, until stopped."""
         try:
             while not self.stopped:
                 outs: list[EngineCoreOutput] = []
-                # block for input only when there is nothing to run
-                block = not self.core.has_unfinished()
-                handled = False
-                while True:
-                    try:
-                        kind, arg = self.inputs.get(block=block, timeout=None if block else 0)
-                    except queue.Empty:
-                        break
-                    if kind == "stop":
-                        return
-                    self._handle(kind, arg, outs)
-                    block = False
-                    handled = True
+                handled = self._take_inputs(outs, idle=not self.core.has_unfinished())
+                if handled is None:
+                    return
                 if (self.fault_after_steps is not None and self.core.has_unfinished()
                         and self.core.step_count >= self.fault_after_steps):
                     raise RuntimeError(f"injected fault after {self.core.step_count} steps "

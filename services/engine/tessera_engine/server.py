@@ -192,6 +192,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             async for msg in request_iterator:
                 for pb in msg.add:
                     self._submit(pb, client_id, q)
+                if msg.add:
+                    self.loop_runner.more_coming(msg.more_coming)
                 if msg.abort.request_ids:
                     self.loop_runner.abort(list(msg.abort.request_ids))
 
@@ -268,6 +270,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-num-seqs", "TESSERA_MAX_NUM_SEQS", 256, type=int, help="cap on running sequences")
     add_flag(p, "--max-num-batched-tokens", "TESSERA_MAX_NUM_BATCHED_TOKENS", 2048, type=int, help="token budget per step")
     add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
+    add_flag(p, "--idle-batch-wait-ms", "TESSERA_IDLE_BATCH_WAIT_MS", 20.0, type=float,
+             help="an idle engine told that more requests are coming (a burst) waits this long at most for "
+                  "them before its first step (0: never)")
     add_flag(p, "--seed", "TESSERA_SEED", 0, type=int, help="seed of the sampler's shared generator")
     add_flag(p, "--num-threads", "TESSERA_NUM_THREADS", None, type=int, help="torch CPU threads")
     add_flag(p, "--cpu-kernels", "TESSERA_CPU_KERNELS", True, type=bool,
@@ -290,7 +295,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
-        seed=args.seed, num_threads=args.num_threads)
+        idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads)
 
 
 async def serve(args: argparse.Namespace) -> None:

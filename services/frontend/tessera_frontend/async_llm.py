@@ -6,7 +6,11 @@ yields a `GenerationOutput` per sample per engine step until every sample has
 finished. With a stream interval N > 1 (vLLM's and SGLang's `--stream-interval`) a
 sample's first output goes out at once, then its outputs are held and merged until
 they hold N tokens or the sample finishes: N times fewer messages to the client,
-the same text and tokens in the end. If the consumer goes away first (the call is cancelled or the generator
+the same text and tokens in the end.
+
+Bursts: each submission tells the engine whether more requests are still being
+prepared here (SessionInput.more_coming), so that an idle engine starts a burst of
+concurrent requests in one step. If the consumer goes away first (the call is cancelled or the generator
 is closed), the request is aborted in the engine and cancelled on the detokenize
 stream. Failures surface as `GenerateError(code, message)`.
 
@@ -88,6 +92,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.engine = engine
         self.stream_interval = stream_interval
+        self._preparing = 0  # requests inside generate() not yet submitted (being tokenized)
         self.processor = OutputProcessor(tokenizer, engine.abort)
 
     def start(self) -> None:
@@ -129,10 +134,14 @@ class AsyncLLM:
         model's length" (OpenAI chat's default).
         """
         arrival = time.time()
-        await self.wait_ready()
-        prompt_ids = await self._tokenize(request_id, prompt)
-        params = self._with_defaults(params, len(prompt_ids), default_max_tokens)
-        self._check_prompt(prompt_ids, params)
+        self._preparing += 1
+        try:
+            await self.wait_ready()
+            prompt_ids = await self._tokenize(request_id, prompt)
+            params = self._with_defaults(params, len(prompt_ids), default_max_tokens)
+            self._check_prompt(prompt_ids, params)
+        finally:
+            self._preparing -= 1
         # The engine and the detokenize stream see a unique id, so a client id that is
         # reused (even while its previous request is still being aborted) never mixes outputs.
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
@@ -148,7 +157,8 @@ class AsyncLLM:
                 replica = self.engine.submit(engine_pb2.EngineRequest(
                     request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                     priority=priority, arrival_time=arrival,
-                    eos_token_ids=self.tokenizer.model_info.eos_token_ids), n)
+                    eos_token_ids=self.tokenizer.model_info.eos_token_ids), n,
+                    more_coming=self._preparing > 0)
             except NoReplicaError as exc:
                 raise GenerateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
             log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,

@@ -54,9 +54,12 @@ class NoReplicaError(Exception):
 
 def _merge_inputs(first: engine_pb2.SessionInput, later: engine_pb2.SessionInput) -> None:
     """Fold `later` into `first`. The engine takes a message's adds before its aborts, and an
-    abort always follows its request's add, so the merged message means the same."""
+    abort always follows its request's add, so the merged message means the same. The
+    more_coming hint is the latest add's."""
     first.add.extend(later.add)
     first.abort.request_ids.extend(later.abort.request_ids)
+    if later.add:
+        first.more_coming = later.more_coming
 
 
 class EngineReplica:
@@ -93,11 +96,11 @@ class EngineReplica:
     def outstanding(self) -> int:
         return len(self._in_flight)
 
-    def submit(self, request: engine_pb2.EngineRequest, num_samples: int) -> None:
+    def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False) -> None:
         if self._outbox is None:
             raise NoReplicaError(f"engine {self.addr} is not connected")
         self._in_flight[request.request_id] = num_samples
-        self._outbox.put_nowait(engine_pb2.SessionInput(add=[request]))
+        self._outbox.put_nowait(engine_pb2.SessionInput(add=[request], more_coming=more_coming))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -230,15 +233,17 @@ class EngineCoreClient:
         """The smallest KV cache (in tokens) among replicas: one sequence can never be longer."""
         return self._limit(lambda info: info.num_blocks * info.block_size)
 
-    def submit(self, request: engine_pb2.EngineRequest, num_samples: int) -> str:
-        """Send the request to the chosen replica; return that replica's address."""
+    def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False) -> str:
+        """Send the request to the chosen replica; return that replica's address.
+
+        `more_coming`: more requests are on their way (SessionInput.more_coming)."""
         ready = [r for r in self._replicas.values() if r.ready]
         # Unhealthy replicas are skipped; only when no replica is healthy is one of them tried.
         candidates = [r for r in ready if r.healthy] or ready
         replica = self.router.choose(candidates, request.prompt_token_ids)
         if replica is None:
             raise NoReplicaError("no engine replica is connected")
-        replica.submit(request, num_samples)
+        replica.submit(request, num_samples, more_coming)
         self._where[request.request_id] = replica
         return replica.addr
 

@@ -25,7 +25,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"    # fcfs or priority
     # the core loop: how long an idle engine waits for a burst the frontend says is coming
     # (SessionInput.more_coming) before its first step; 0 = never wait
-    idle_batch_wait_ms: float = 20.0
+    idle_batch_wait_ms: float = 50.0
     # misc
     seed: int = 0
     num_threads: int | None = None     # torch CPU threads; None = torch's default

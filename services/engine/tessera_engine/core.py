@@ -226,6 +226,9 @@ class EngineCore:
 OutputCallback = Callable[[int, list[EngineCoreOutput], EngineStats, "IterationStats | None"], None]
 
 
+IDLE_BATCH_GAP_S = 0.001  # idle start: inputs this close together belong to one burst
+
+
 class EngineCoreLoop:
     """Runs EngineCore.run_loop on its own thread; other threads talk to it through a queue.
 
@@ -234,7 +237,9 @@ class EngineCoreLoop:
     keeps taking inputs, up to config.idle_batch_wait_ms, until a message without the
     hint arrives, and only then runs its first step: a burst of requests starts in one
     step instead of its first few arrivals taking a prefill step on their own while the
-    rest wait behind it. A running engine never waits.
+    rest wait behind it. Requests that reach an idle engine less than IDLE_BATCH_GAP_S
+    apart are taken together too (a burst from several frontends, or one whose first
+    arrivals come before the frontend knows of the rest). A running engine never waits.
     """
 
     def __init__(self, core: EngineCore, on_outputs: OutputCallback,
@@ -298,23 +303,30 @@ class EngineCoreLoop:
         """
         handled = more = False
         block = idle
-        deadline = None
+        wait_s = self.core.config.idle_batch_wait_ms / 1000 if idle else 0.0
+        deadline = last = 0.0
         while True:
-            timeout = None if block else (max(0.0, deadline - time.monotonic()) if more else 0.0)
+            if block:
+                timeout = None
+            elif wait_s:  # idle start: until the burst stops (no hint, no input for the gap) or the deadline
+                timeout = max(0.0, (deadline if more else min(deadline, last + IDLE_BATCH_GAP_S)) - time.monotonic())
+            else:
+                timeout = 0.0
             try:
                 kind, arg = self.inputs.get(block=block or timeout > 0, timeout=timeout)
             except queue.Empty:
                 return handled
             if kind == "stop":
                 return None
+            last = time.monotonic()
+            if block:
+                deadline = last + wait_s
+            block = False
             if kind == "more":
-                more = bool(arg) and idle and self.core.config.idle_batch_wait_ms > 0
-                if more and deadline is None:
-                    deadline = time.monotonic() + self.core.config.idle_batch_wait_ms / 1000
+                more = bool(arg)
                 continue
             self._handle(kind, arg, outs)
             handled = True
-            block = False
 
     def run_loop(self) -> None:
         """receive → add → schedule → execute → emit, until stopped."""
@@ -330,6 +342,10 @@ class EngineCoreLoop:
                                        "(TESSERA_ENGINE_FAULT_AFTER_STEPS)")
                 outs.extend(self.core.step())
                 iteration = self.core.last_iteration
+                if iteration is not None and log.isEnabledFor(logging.DEBUG):
+                    log.debug("step", extra={"step": iteration.step, "tokens": iteration.num_batched_tokens,
+                                             "sampled": iteration.num_generation_tokens,
+                                             "ms": round(iteration.duration_s * 1000, 3)})
                 if outs or iteration is not None or handled:
                     self.on_outputs(self.core.step_count, outs, self.core.stats(), iteration)
         except BaseException as exc:  # the loop dying must be visible to health checks

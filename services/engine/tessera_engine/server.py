@@ -270,7 +270,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-num-seqs", "TESSERA_MAX_NUM_SEQS", 256, type=int, help="cap on running sequences")
     add_flag(p, "--max-num-batched-tokens", "TESSERA_MAX_NUM_BATCHED_TOKENS", 2048, type=int, help="token budget per step")
     add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
-    add_flag(p, "--idle-batch-wait-ms", "TESSERA_IDLE_BATCH_WAIT_MS", 20.0, type=float,
+    add_flag(p, "--idle-batch-wait-ms", "TESSERA_IDLE_BATCH_WAIT_MS", 50.0, type=float,
              help="an idle engine told that more requests are coming (a burst) waits this long at most for "
                   "them before its first step (0: never)")
     add_flag(p, "--seed", "TESSERA_SEED", 0, type=int, help="seed of the sampler's shared generator")

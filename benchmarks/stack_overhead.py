@@ -17,6 +17,9 @@ submitted at t0.
              stack's gap into the engine service's part (engine / inprocess) and the
              frontend + tokenizer part (stack / engine).
 
+The stack runs with the services' defaults (every token streamed at once, uvloop) unless
+--stream-interval / --event-loop say otherwise; the client uses the same event loop.
+
 Both sides get the same engine flags (--dtype, --kv-cache-gib, --max-num-seqs,
 --max-num-batched-tokens, --block-size, --threads, prefix caching) and alternate
 repeat by repeat. Each repeat prefixes every chat with its own system message, so

@@ -96,6 +96,29 @@ def test_stop_string_cuts_text(stack, include):
     assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total, stats
 
 
+def test_stop_string_waits_for_min_tokens(stack):
+    """A stop string in the text of the first min_tokens tokens does not end the request (vLLM)."""
+    question = "Why is the sky blue?"
+    full_text, full_ids = joined(generate(stack, question, temperature=0.0, max_tokens=40, ignore_eos=True))
+    stop = " the"
+    assert stop in full_text, full_text
+    first = full_text.index(stop)
+    # the token count up to and including the first occurrence's end
+    upto = next(k for k in range(1, len(full_ids) + 1)
+                if stack.tokenizer_stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=full_ids[:k]),
+                                                   timeout=10).text.find(stop) != -1)
+    text, ids = joined(generate(stack, question, temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]))
+    assert text == full_text[:first]
+
+    responses = generate(stack, question, temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                         min_tokens=upto)
+    text, ids = joined(responses)
+    later = full_text.find(stop, first + 1)
+    assert text == (full_text[:later] if later != -1 else full_text)
+    assert len(ids) > upto and ids == full_ids[:len(ids)]
+    assert responses[-1].finish_reason == (STOP if later != -1 else LENGTH)
+
+
 def test_cancel_mid_stream_aborts_in_engine(stack):
     request = frontend_pb2.GenerateRequest(
         chat=chat("Write a very long story about a dragon."),

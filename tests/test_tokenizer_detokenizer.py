@@ -262,6 +262,43 @@ def test_stop_string_inside_tokens_and_tokens_consumed(tok):
     assert detok.step(ids).text == "The quick brown fo"
 
 
+@pytest.mark.parametrize("one_step", [False, True])
+def test_stop_strings_count_only_after_min_tokens(tok, one_step):
+    """vLLM's rule: the text of the first min_tokens tokens cannot complete a stop string."""
+    text = "the cat and the dog and the bird"
+    ids, pieces = token_texts(tok, text)
+    assert pieces[:4] == ["the", " cat", " and", " the"]
+
+    def run(min_tokens):
+        detok = IncrementalDetokenizer(tok.backend, stop=[" and"], min_tokens=min_tokens)
+        outputs = [detok.step(ids)] if one_step else feed(detok, ids, finish=False)
+        return "".join(o.text for o in outputs), outputs[-1]
+
+    out_text, last = run(0)
+    assert out_text == "the cat" and last.stop_matched == " and"
+    # " and" is the 3rd token: with min_tokens 3 it cannot stop there; the next " and" does
+    out_text, last = run(3)
+    assert out_text == "the cat and the dog" and last.stop_matched == " and"
+    assert last.tokens_consumed == (6 if one_step else 1)
+    out_text, last = run(2)  # the 3rd token is the first checked one
+    assert out_text == "the cat" and last.stop_matched == " and"
+    out_text, last = run(len(ids))  # never checked: all text, unfinished
+    assert out_text == text and last.stop_matched is None and not last.finished
+
+
+def test_a_stop_string_may_start_inside_min_tokens(tok):
+    ids, pieces = token_texts(tok, SENTENCE)
+    stop = " brown fox"  # tokens 3 and 4
+    detok = IncrementalDetokenizer(tok.backend, stop=[stop], min_tokens=3)
+    outputs = feed(detok, ids, finish=False)
+    assert outputs[-1].stop_matched == stop and len(outputs) == 4
+    assert "".join(o.text for o in outputs) == "The quick"
+    # ending inside the window does not count, even when the step ends the request
+    detok = IncrementalDetokenizer(tok.backend, stop=[" brown"], min_tokens=3)
+    out = detok.step(ids[:3], finished=True)
+    assert out.stop_matched is None and out.text == "The quick brown" and out.finished
+
+
 def test_partial_match_is_held_back_then_released(tok):
     ids, pieces = token_texts(tok, "The quick brown fox walks away")
     detok = IncrementalDetokenizer(tok.backend, stop=[" fox jumps"])

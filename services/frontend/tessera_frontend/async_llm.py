@@ -271,7 +271,7 @@ class AsyncLLM:
 def _detokenize_open(params: common_pb2.SamplingParams, prompt_ids: list[int]) -> tokenizer_pb2.DetokenizeOpen:
     open_ = tokenizer_pb2.DetokenizeOpen(stop=params.stop,
                                          include_stop_str_in_output=params.include_stop_str_in_output,
-                                         prompt_token_ids=prompt_ids)
+                                         prompt_token_ids=prompt_ids, min_tokens=params.min_tokens)
     if params.HasField("skip_special_tokens"):
         open_.skip_special_tokens = params.skip_special_tokens
     return open_

@@ -139,8 +139,11 @@ class StopStringMatcher:
         self._text = ""       # recent text: unreleased, plus context for matches across pieces
         self._released = 0    # self._text[:released] has been released
 
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """Add text; return (text to release now, the stop string if one completed)."""
+    def feed(self, text: str, check: bool = True) -> tuple[str, str | None]:
+        """Add text; return (text to release now, the stop string if one completed).
+
+        With check=False the text may not complete a stop string (tokens inside the
+        request's min_tokens), though a match may start in it and end in later text."""
         if not text or not self.stops:
             return text, None
         old_len = len(self._text)
@@ -161,7 +164,7 @@ class StopStringMatcher:
             i = buf.find(first, lo)
             if i == -1:
                 continue
-            start = buf.find(stop, i)
+            start = buf.find(stop, i) if check else -1
             if start != -1:
                 end = start + n
                 if best_stop is None or end < best_end or (end == best_end and n > best_len):
@@ -240,9 +243,14 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         prompt_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ) -> None:
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens, prompt_token_ids)
         self._stops = StopStringMatcher(stop, include_stop_str_in_output)
+        # Stop strings count from the token after the first min_tokens (vLLM): the text of
+        # the first min_tokens tokens cannot complete one. Tokens still inside that window:
+        self._unchecked = max(min_tokens, 0)
+        self._last_checked = not self._unchecked  # the latest token's text could end a stop string
         self.finished = False
 
     def step(self, token_ids: Sequence[int], finished: bool = False) -> DetokenizeOutput:
@@ -259,8 +267,9 @@ class IncrementalDetokenizer:
             return _output(text, None, len(token_ids), finished)
 
         decode, feed = self._decoder.step, stops.feed
-        if len(token_ids) == 1:
+        if len(token_ids) == 1 and not self._unchecked:
             # The common case (one token per engine step): no per-token loop.
+            self._last_checked = True
             released, stop = feed(decode(token_ids))
             if stop is not None:
                 self.finished = True
@@ -271,16 +280,21 @@ class IncrementalDetokenizer:
         else:
             pieces = []
             for i, token_id in enumerate(token_ids):
-                released, stop = feed(decode((token_id,)))
+                check = self._last_checked = not self._unchecked
+                if not check:
+                    self._unchecked -= 1
+                released, stop = feed(decode((token_id,)), check)
                 pieces.append(released)
                 if stop is not None:
                     self.finished = True
                     return _output("".join(pieces), stop, i + 1, True)
         if finished:
-            released, stop = feed(self._decoder.flush())
+            # the held-back end belongs to the last token: checked only if that one was
+            released, stop = feed(self._decoder.flush(), self._last_checked)
             pieces.append(released)
             if stop is None:
                 pieces.append(stops.flush())
             self.finished = True
             return _output("".join(pieces), stop, len(token_ids), True)
         return _output("".join(pieces), None, len(token_ids), False)
+

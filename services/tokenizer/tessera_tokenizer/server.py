@@ -165,6 +165,7 @@ class DetokenizeSession:
                 include_stop_str_in_output=spec.include_stop_str_in_output,
                 skip_special_tokens=spec.skip_special_tokens if spec.HasField("skip_special_tokens") else True,
                 prompt_token_ids=list(spec.prompt_token_ids),
+                min_tokens=spec.min_tokens,
             )
         self.requests[rid] = request
         self._tally[rid] = [time.monotonic(), 0, 0]

@@ -101,6 +101,26 @@ STYLES: list[str] = ["", "Answer briefly: ", "Explain step by step: ", "In plain
 assert len(QUESTIONS) == 64 and len(set(QUESTIONS)) == 64
 
 
+def add_engine_flags(ap) -> None:
+    """The engine settings every benchmark takes (the same on each side it compares)."""
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
+
+
+def engine_config(args, **overrides):
+    """The EngineConfig of add_engine_flags' flags (plus --model / --dtype, which every benchmark has)."""
+    from tessera_engine.config import EngineConfig
+
+    return EngineConfig(**{"model": args.model, "dtype": args.dtype, "kv_cache_gib": args.kv_cache_gib,
+                           "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                           "block_size": args.block_size, "enable_prefix_caching": not args.no_prefix_caching,
+                           "num_threads": args.threads, **overrides})
+
+
 def questions(n: int) -> list[str]:
     """n distinct user messages: the 64 questions, then styled copies, then numbered ones."""
     out = []

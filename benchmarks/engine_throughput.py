@@ -50,11 +50,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (StepBreakdown, chat_prompts, draw_lengths, environment, maxrss_mib,  # noqa: E402
-                    measure_usage, median, summarize, wait_for_quiet)
+from common import (StepBreakdown, add_engine_flags, chat_prompts, draw_lengths, engine_config,  # noqa: E402
+                    environment, maxrss_mib, measure_usage, median, summarize, wait_for_quiet)
 
 from tessera.common.model_source import resolve_model  # noqa: E402
-from tessera_engine.config import EngineConfig  # noqa: E402
 from tessera_engine.core import EngineCore  # noqa: E402
 from tessera_engine.models.loader import load_model  # noqa: E402
 from tessera_engine.request import EngineCoreRequest  # noqa: E402
@@ -95,12 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mixed-max", type=int, default=None, help="mixed: longest drawn output (default 512)")
     ap.add_argument("--hf-batch-size", type=int, default=64, help="mixed: HF static batch size")
     ap.add_argument("--seed", type=int, default=0, help="mixed: seed of the drawn lengths")
-    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
+    add_engine_flags(ap)
     ap.add_argument("--wait-quiet", type=float, default=20.0,
                     help="before each measurement wait up to this many seconds for other processes to use "
                          "< --quiet-cores cores (0 = never wait)")
@@ -208,10 +202,7 @@ class Bench:
     # -- engine ------------------------------------------------------------------------
     def new_core(self) -> EngineCore:
         a = self.args
-        cfg = EngineConfig(model=a.model, dtype=a.dtype, kv_cache_gib=a.kv_cache_gib, max_num_seqs=a.max_num_seqs,
-                           max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                           enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads)
-        return EngineCore(cfg, self.loaded)
+        return EngineCore(engine_config(a), self.loaded)
 
     def run_engine(self, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool,
                    breakdown: StepBreakdown | None = None) -> dict:

@@ -64,13 +64,13 @@ import torch  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, measure_usage, median, questions, wait_for_quiet  # noqa: E402
+from common import (add_engine_flags, engine_config, environment, measure_usage, median, questions,  # noqa: E402
+                    wait_for_quiet)
 
 from tessera.common import aio  # noqa: E402
 from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
 from tessera.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
                         tokenizer_pb2, tokenizer_pb2_grpc)
-from tessera_engine.config import EngineConfig  # noqa: E402
 from tessera_engine.core import EngineCore  # noqa: E402
 from tessera_engine.models.loader import load_model  # noqa: E402
 from tessera_engine.request import EngineCoreRequest  # noqa: E402
@@ -93,12 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="HF directory or GGUF file (default: the embedded SmolLM2-135M)")
     ap.add_argument("--dtype", default="auto", help="engine dtype on both sides (auto: fp32 CPU, bf16 CUDA)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
+    add_engine_flags(ap)
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the frontend's --stream-interval (tokens per streamed message after the first)")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
@@ -338,10 +333,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gib=args.kv_cache_gib,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                          num_threads=args.threads)
+    config = engine_config(args, device=args.device)
     log(f"loading the model in-process ({config.resolved_dtype()}, {config.resolved_device()}) ...")
     loaded = load_model(args.model, args.block_size, None, config.resolved_dtype(), config.resolved_device())
 

@@ -25,6 +25,7 @@ and `Service.env` adds environment variables for one process (e.g. fault injecti
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -142,6 +143,18 @@ def frontend_service(name: str, tokenizer_addr: str, engine_addrs: str, log_dir:
                    ["--tokenizer-addr", tokenizer_addr, "--engine-addrs", engine_addrs,
                     "--http-port", str(http_port), *args],
                    log_dir / f"{name}.log", http_port=http_port)
+
+
+@contextlib.contextmanager
+def serving(service: Service):
+    """Start `service`, wait until it is SERVING and yield a channel to it; stop it on exit."""
+    service.start()
+    try:
+        service.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
+        with grpc.insecure_channel(service.addr) as channel:
+            yield channel
+    finally:
+        service.stop()
 
 
 class Stack:

@@ -17,7 +17,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2
 
-from stack import STARTUP_TIMEOUT_S, free_port, frontend_service, health_status, stack  # noqa: F401
+from stack import free_port, frontend_service, health_status, serving, stack  # noqa: F401
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 
 QUESTION = "Why is the sky blue?"
@@ -37,13 +37,8 @@ def limited(stack):
     """A frontend allowing 2 requests in flight, in front of the shared backends."""
     service = frontend_service("frontend-limited", stack.tokenizer.addr, stack.engine.addr, stack.log_dir)
     service.env = {"TESSERA_MAX_INFLIGHT_REQUESTS": "2"}
-    service.start()
-    try:
-        service.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
-        with grpc.insecure_channel(service.addr) as channel:
-            yield service, frontend_pb2_grpc.FrontendServiceStub(channel)
-    finally:
-        service.stop()
+    with serving(service) as channel:
+        yield service, frontend_pb2_grpc.FrontendServiceStub(channel)
 
 
 def _http_client(service) -> openai.OpenAI:

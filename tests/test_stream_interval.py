@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
-import grpc
 import openai
 import pytest
 
-from stack import STARTUP_TIMEOUT_S, frontend_service, stack  # noqa: F401  (the session fixture)
+from stack import frontend_service, serving, stack  # noqa: F401  (the session fixture)
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 
 INTERVAL = 4
@@ -30,13 +28,8 @@ def grouped(stack):
     """A frontend with --stream-interval 4 in front of the shared backends, and its gRPC stub."""
     service = frontend_service("frontend-interval", stack.tokenizer.addr, stack.engine.addr, stack.log_dir,
                                "--stream-interval", str(INTERVAL))
-    service.start()
-    try:
-        service.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
-        with grpc.insecure_channel(service.addr) as channel:
-            yield service, frontend_pb2_grpc.FrontendServiceStub(channel)
-    finally:
-        service.stop()
+    with serving(service) as channel:
+        yield service, frontend_pb2_grpc.FrontendServiceStub(channel)
 
 
 def _request(**params) -> frontend_pb2.GenerateRequest:

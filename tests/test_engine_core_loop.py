@@ -131,3 +131,23 @@ def test_a_running_engine_never_waits(run):
 def test_negative_wait_is_refused():
     with pytest.raises(ValueError, match="idle_batch_wait_ms"):
         EngineConfig(idle_batch_wait_ms=-1).validate()
+
+
+def test_abort_one_sample_leaves_its_sibling_running():
+    core = _core(0.0)
+    core.add_request(EngineCoreRequest("r", [1, 2, 3, 4], SamplingParams(temperature=1.0, seed=3, n=2,
+                                                                          max_tokens=8, ignore_eos=True)))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    for o in core.step():
+        tokens[o.index].extend(o.new_token_ids)
+    aborted = core.abort_samples([("r", 0), ("r", 5), ("nope", 0)])  # unknown ones are ignored
+    assert [(o.index, o.finish_reason) for o in aborted] == [(0, "abort")]
+    finals = {}
+    while core.has_unfinished():
+        for o in core.step():
+            assert o.index == 1
+            tokens[1].extend(o.new_token_ids)
+            if o.finish_reason:
+                finals[o.index] = o.finish_reason
+    assert finals == {1: "length"} and len(tokens[0]) == 1 and len(tokens[1]) == 8
+    assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks

@@ -150,6 +150,39 @@ def test_two_samples(stack):
     assert [joined(again, i) for i in (0, 1)] == [joined(responses, i) for i in (0, 1)]
 
 
+def test_a_choice_stopped_by_a_stop_string_is_aborted_alone(stack):
+    """n=2: one choice ends on a stop string while the other runs on; the engine aborts
+    just that sample (AbortRequests.samples) and the other finishes by length."""
+    from metrics_util import scrape, wait_for
+
+    question = "Tell me a short story about a dragon."
+    params = dict(temperature=1.0, seed=77, n=2, max_tokens=40, ignore_eos=True)
+    free = generate(stack, question, **params)
+    texts = [joined(free, i)[0] for i in (0, 1)]
+    # a word of choice 0's early text that choice 1 never writes
+    candidates = [w for w in texts[0].split()[1:8] if len(w) > 3 and w not in texts[1]]
+    if not candidates:
+        pytest.skip(f"the two seeded choices share their early words: {texts!r}")
+    stop = candidates[0]
+
+    before = scrape(stack.engine.metrics_url)
+    responses = generate(stack, question, stop=[stop], **params)
+    finals = {r.index: r for r in responses if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED}
+    assert finals[0].finish_reason == STOP and finals[0].stop_reason == stop
+    assert finals[1].finish_reason == LENGTH
+    assert joined(responses, 1) == joined(free, 1)
+    assert joined(responses, 0)[0] == texts[0][:texts[0].index(stop)]
+    # the engine counted one sample aborted (before, a stopped choice ran on to its length)
+    reason = 'finished_reason="abort"'
+    wait_for(lambda: (scrape(stack.engine.metrics_url) - before).get("tessera:request_success_total",
+                                                                      finished_reason="abort") == 1,
+             timeout=10, what=f"one engine sample counted as {reason}")
+    delta = scrape(stack.engine.metrics_url) - before
+    assert delta.get("tessera:request_success_total", finished_reason="length") == 1
+    stats = wait_engine_idle(stack)
+    assert stats.num_running == 0 and stats.num_blocks_free == stats.num_blocks_total, stats
+
+
 def test_logprobs(stack):
     responses = generate(stack, temperature=0.0, max_tokens=5, logprobs=2)
     for r in responses:

@@ -148,6 +148,16 @@ class EngineCore:
                 outs.append(self._output(req, []))
         return outs
 
+    def abort_samples(self, keys: list[tuple[str, int]]) -> list[EngineCoreOutput]:
+        """Abort single samples, (request_id, index); unknown or finished ones are ignored."""
+        outs = []
+        for key in keys:
+            req = self.scheduler.requests.get(tuple(key))
+            if req is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                outs.append(self._output(req, []))
+        return outs
+
     def abort_client(self, client_id: str) -> list[EngineCoreOutput]:
         ids = {r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id}
         return self.abort_requests(list(ids))
@@ -275,6 +285,9 @@ class EngineCoreLoop:
         """The sender's hint after its adds: more requests are on their way (see the class doc)."""
         self.inputs.put(("more", more))
 
+    def abort_samples(self, keys: list[tuple[str, int]]) -> None:
+        self.inputs.put(("abort_samples", keys))
+
     def abort_client(self, client_id: str) -> None:
         self.inputs.put(("abort_client", client_id))
 
@@ -292,6 +305,8 @@ class EngineCoreLoop:
                                              error=(exc.code, exc.message)))
         elif kind == "abort":
             outs.extend(self.core.abort_requests(arg))
+        elif kind == "abort_samples":
+            outs.extend(self.core.abort_samples(arg))
         elif kind == "abort_client":
             outs.extend(self.core.abort_client(arg))  # nobody reads them, but they are counted and logged
 

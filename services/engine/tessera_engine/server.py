@@ -196,6 +196,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     self.loop_runner.more_coming(msg.more_coming)
                 if msg.abort.request_ids:
                     self.loop_runner.abort(list(msg.abort.request_ids))
+                if msg.abort.samples:
+                    self.loop_runner.abort_samples([(r.request_id, r.index) for r in msg.abort.samples])
 
         reader = asyncio.create_task(read_inputs())
         try:

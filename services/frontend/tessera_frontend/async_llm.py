@@ -93,7 +93,7 @@ class AsyncLLM:
         self.engine = engine
         self.stream_interval = stream_interval
         self._preparing = 0  # requests inside generate() not yet submitted (being tokenized)
-        self.processor = OutputProcessor(tokenizer, engine.abort)
+        self.processor = OutputProcessor(tokenizer, engine.abort, engine.abort_samples)
 
     def start(self) -> None:
         """Start the background tasks: the detokenize stream, output delivery, the engine replicas."""

@@ -58,6 +58,7 @@ def _merge_inputs(first: engine_pb2.SessionInput, later: engine_pb2.SessionInput
     more_coming hint is the latest add's."""
     first.add.extend(later.add)
     first.abort.request_ids.extend(later.abort.request_ids)
+    first.abort.samples.extend(later.abort.samples)
     if later.add:
         first.more_coming = later.more_coming
 
@@ -109,6 +110,12 @@ class EngineReplica:
             self._outbox.put_nowait(engine_pb2.SessionInput(
                 abort=engine_pb2.AbortRequests(request_ids=request_ids)))
 
+    def abort_samples(self, samples: Sequence[tuple[str, int]]) -> None:
+        """Abort single samples (request id, index); the request's other samples run on."""
+        if self._outbox is not None and samples:
+            self._outbox.put_nowait(engine_pb2.SessionInput(abort=engine_pb2.AbortRequests(
+                samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples])))
+
     def _note_finished(self, step: engine_pb2.EngineStepOutputs) -> list[str]:
         """Count finished samples; return the request ids that are now complete."""
         done = []
@@ -116,9 +123,9 @@ class EngineReplica:
             if output.finish_reason == _RUNNING or output.request_id not in self._in_flight:
                 continue
             left = self._in_flight[output.request_id] - 1
-            # An error or an abort ends the whole request whatever n is.
-            if left <= 0 or output.finish_reason in (common_pb2.FINISH_REASON_ERROR,
-                                                     common_pb2.FINISH_REASON_ABORT):
+            # An error ends the whole request whatever n is. An abort ends one sample (an
+            # abort of the whole request sends one per sample still running).
+            if left <= 0 or output.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 del self._in_flight[output.request_id]
                 done.append(output.request_id)
             else:
@@ -255,6 +262,16 @@ class EngineCoreClient:
                 by_replica.setdefault(replica, []).append(request_id)
         for replica, ids in by_replica.items():
             replica.abort(ids)
+
+    def abort_samples(self, samples: Iterable[tuple[str, int]]) -> None:
+        """Abort single samples (request id, index) where their requests run."""
+        by_replica: dict[EngineReplica, list[tuple[str, int]]] = {}
+        for request_id, index in samples:
+            replica = self._where.get(request_id)
+            if replica is not None:
+                by_replica.setdefault(replica, []).append((request_id, index))
+        for replica, keys in by_replica.items():
+            replica.abort_samples(keys)
 
     def _forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

@@ -15,9 +15,8 @@ Each of a request's n samples is detokenized separately, under the key
 "<engine request id>#<index>". When the tokenizer reports a matched stop string, the
 sample finishes with STOP and that stop string; its tokens are cut to
 `tokens_consumed`; once every sample of the request is done the request is
-aborted in the engine if the engine is still running any of its samples.
-(AbortRequests has no sample index, so with n > 1 a stopped sample keeps running in
-the engine until its siblings finish; its further tokens are dropped here.)
+aborted in the engine if the engine is still running any of its samples; a sample
+that stops while its siblings run on is aborted alone (AbortRequests.samples).
 """
 from __future__ import annotations
 
@@ -109,9 +108,11 @@ class RequestState:
 class OutputProcessor:
     """Turns engine step outputs into per-request SampleOutputs via the detokenize stream."""
 
-    def __init__(self, tokenizer: TokenizerClient, abort_in_engine: Callable[[list[str]], None]) -> None:
+    def __init__(self, tokenizer: TokenizerClient, abort_in_engine: Callable[[list[str]], None],
+                 abort_samples_in_engine: Callable[[list[tuple[str, int]]], None] = lambda samples: None) -> None:
         self._tokenizer = tokenizer
         self._abort_in_engine = abort_in_engine
+        self._abort_samples_in_engine = abort_samples_in_engine
         self._requests: dict[str, RequestState] = {}
         # Steps sent to the tokenizer, in order, waiting for their reply to be delivered.
         self._pending: asyncio.Queue[_PendingStep] = asyncio.Queue(MAX_PENDING_STEPS)
@@ -282,6 +283,9 @@ class OutputProcessor:
             self._requests.pop(state.request_id, None)
             if state.engine_running:  # stopped by a stop string: free the engine's slots now
                 self._abort_in_engine([state.request_id])
+        elif not sample.engine_done:  # one choice stopped by a stop string, others run on
+            sample.engine_done = True
+            self._abort_samples_in_engine([(state.request_id, out.index)])
 
     def _deliver_failure(self, state: RequestState, failure: Failure) -> None:
         """Fail the whole request: its consumer raises on this output."""

@@ -96,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_engine_flags(ap)
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the frontend's --stream-interval (tokens per streamed message after the first)")
-    ap.add_argument("--event-loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+    ap.add_argument("--event-loop", default="auto", choices=aio.EVENT_LOOPS,
                     help="event loop of the stack's services and of this gRPC client")
     ap.add_argument("--ttft-probes", type=int, default=16, help="isolated requests per side for TTFT (0: none)")
     ap.add_argument("--no-engine-side", action="store_true", help="skip the engine-service-alone diagnostic")

@@ -10,6 +10,8 @@ import argparse
 import os
 from typing import Any, Callable
 
+from tessera.common import aio
+
 
 def _parse_bool(value: str) -> bool:
     v = value.strip().lower()
@@ -53,5 +55,5 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int, port_en
     add_flag(parser, "--port", port_env, default_port, type=int, help="gRPC port")
     add_flag(parser, "--log-level", "TESSERA_LOG_LEVEL", "INFO", help="log level",
              choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    add_flag(parser, "--event-loop", "TESSERA_EVENT_LOOP", "auto", choices=["auto", "uvloop", "asyncio"],
+    add_flag(parser, "--event-loop", "TESSERA_EVENT_LOOP", "auto", choices=aio.EVENT_LOOPS,
              help="asyncio event loop: uvloop (less CPU per gRPC message) or the standard one; auto = uvloop if installed")

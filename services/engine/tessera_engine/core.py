@@ -140,19 +140,15 @@ class EngineCore:
             self.scheduler.add_request(Request(req, i, eos))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort every sample of these requests."""
         wanted = set(request_ids)
-        outs = []
-        for key, req in list(self.scheduler.requests.items()):
-            if key[0] in wanted:
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                outs.append(self._output(req, []))
-        return outs
+        return self.abort_samples([key for key in self.scheduler.requests if key[0] in wanted])
 
     def abort_samples(self, keys: list[tuple[str, int]]) -> list[EngineCoreOutput]:
         """Abort single samples, (request_id, index); unknown or finished ones are ignored."""
         outs = []
         for key in keys:
-            req = self.scheduler.requests.get(tuple(key))
+            req = self.scheduler.requests.get(key)
             if req is not None:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 outs.append(self._output(req, []))

@@ -10,9 +10,11 @@ the same text and tokens in the end.
 
 Bursts: each submission tells the engine whether more requests are still being
 prepared here (SessionInput.more_coming), so that an idle engine starts a burst of
-concurrent requests in one step. If the consumer goes away first (the call is cancelled or the generator
-is closed), the request is aborted in the engine and cancelled on the detokenize
-stream. Failures surface as `GenerateError(code, message)`.
+concurrent requests in one step.
+
+If the consumer goes away first (the call is cancelled or the generator is closed),
+the request is aborted in the engine and cancelled on the detokenize stream. Failures
+surface as `GenerateError(code, message)`.
 
 Besides the field ranges the API layer checks (`validation`), generate() checks
 what needs the model: token ids inside the vocabulary, min_tokens <= max_tokens

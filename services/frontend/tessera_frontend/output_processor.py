@@ -109,7 +109,7 @@ class OutputProcessor:
     """Turns engine step outputs into per-request SampleOutputs via the detokenize stream."""
 
     def __init__(self, tokenizer: TokenizerClient, abort_in_engine: Callable[[list[str]], None],
-                 abort_samples_in_engine: Callable[[list[tuple[str, int]]], None] = lambda samples: None) -> None:
+                 abort_samples_in_engine: Callable[[list[tuple[str, int]]], None]) -> None:
         self._tokenizer = tokenizer
         self._abort_in_engine = abort_in_engine
         self._abort_samples_in_engine = abort_samples_in_engine

@@ -248,9 +248,9 @@ class IncrementalDetokenizer:
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens, prompt_token_ids)
         self._stops = StopStringMatcher(stop, include_stop_str_in_output)
         # Stop strings count from the token after the first min_tokens (vLLM): the text of
-        # the first min_tokens tokens cannot complete one. Tokens still inside that window:
-        self._unchecked = max(min_tokens, 0)
-        self._last_checked = not self._unchecked  # the latest token's text could end a stop string
+        # the first min_tokens tokens cannot complete one.
+        self._min_tokens = max(min_tokens, 0)
+        self._num_tokens = 0  # tokens seen so far
         self.finished = False
 
     def step(self, token_ids: Sequence[int], finished: bool = False) -> DetokenizeOutput:
@@ -267,9 +267,9 @@ class IncrementalDetokenizer:
             return _output(text, None, len(token_ids), finished)
 
         decode, feed = self._decoder.step, stops.feed
-        if len(token_ids) == 1 and not self._unchecked:
-            # The common case (one token per engine step): no per-token loop.
-            self._last_checked = True
+        if len(token_ids) == 1 and self._num_tokens >= self._min_tokens:
+            # The common case (one token per engine step, past min_tokens): no per-token loop.
+            self._num_tokens += 1
             released, stop = feed(decode(token_ids))
             if stop is not None:
                 self.finished = True
@@ -280,17 +280,15 @@ class IncrementalDetokenizer:
         else:
             pieces = []
             for i, token_id in enumerate(token_ids):
-                check = self._last_checked = not self._unchecked
-                if not check:
-                    self._unchecked -= 1
-                released, stop = feed(decode((token_id,)), check)
+                self._num_tokens += 1
+                released, stop = feed(decode((token_id,)), self._num_tokens > self._min_tokens)
                 pieces.append(released)
                 if stop is not None:
                     self.finished = True
                     return _output("".join(pieces), stop, i + 1, True)
         if finished:
             # the held-back end belongs to the last token: checked only if that one was
-            released, stop = feed(self._decoder.flush(), self._last_checked)
+            released, stop = feed(self._decoder.flush(), self._num_tokens > self._min_tokens)
             pieces.append(released)
             if stop is None:
                 pieces.append(stops.flush())

@@ -3,7 +3,8 @@ a burst (up to idle_batch_wait_ms) and prefills it in one step; without the hint
 once the wait is up, it steps at once. A tiny random Llama keeps the steps fast."""
 from __future__ import annotations
 
-import threading
+import subprocess
+import sys
 import time
 
 import pytest
@@ -131,6 +132,11 @@ def test_a_running_engine_never_waits(run):
 def test_negative_wait_is_refused():
     with pytest.raises(ValueError, match="idle_batch_wait_ms"):
         EngineConfig(idle_batch_wait_ms=-1).validate()
+    # the service says so as a usage error before loading anything
+    result = subprocess.run([sys.executable, "-m", "tessera_engine", "--idle-batch-wait-ms", "-1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "idle_batch_wait_ms must be >= 0" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_abort_one_sample_leaves_its_sibling_running():

@@ -282,7 +282,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--cpu-kernels-prebuilt", "TESSERA_CPU_KERNELS_PREBUILT", None,
              help="load the fused CPU kernels from this module file instead of building them (the engine image)")
     add_metrics_flag(p, "engine")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # a bad setting is a usage error (exit 2, the flag's message), not a traceback at start
+        config_from_args(args).validate()
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def _fault_after_steps() -> int | None:

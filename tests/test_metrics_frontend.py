@@ -72,7 +72,7 @@ def test_backend_counters_match_what_the_client_streamed(stack):
     tokenizer = wait_for(tokenizer_settled, 5, "the tokenizer to count the finished requests")
     assert tokenizer.get("tessera:tokenizer_tokens_total", op="tokenize") == prompt_tokens
     assert tokenizer.get("tessera:tokenizer_tokens_total", op="detokenize") == streamed
-    assert tokenizer.get("tessera:tokenizer_requests_total", method="Tokenize", code="OK") == 3
+    assert tokenizer.get("tessera:tokenizer_requests_total", method="TokenizeStream", code="OK") == 3
 
     # one structured line per request in the engine and the tokenizer, under the client's id
     for i in range(3):

@@ -70,6 +70,22 @@ def test_unary_calls(tokenizer):
     assert d.get("tessera:tokenizer_tokens_total", op="detokenize") == len(ids)
 
 
+def test_tokenize_stream_items(tokenizer):
+    """Each TokenizeStream item counts as a Tokenize call does: by status, timed, its tokens counted."""
+    before = scrape(tokenizer.metrics_url)
+    requests = [pb.TokenizeRequest(text="Hello there, world!"), pb.TokenizeRequest(),
+                pb.TokenizeRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]))]
+    message = pb.TokenizeStreamRequest(items=[pb.TokenizeItem(id=i, request=r) for i, r in enumerate(requests)])
+    results = [r for reply in tokenizer.stub.TokenizeStream(iter([message]), timeout=30) for r in reply.results]
+    d = scrape(tokenizer.metrics_url) - before
+
+    assert d.get("tessera:tokenizer_requests_total", method="TokenizeStream", code="OK") == 2
+    assert d.get("tessera:tokenizer_requests_total", method="TokenizeStream", code="INVALID_ARGUMENT") == 1
+    assert d.get("tessera:tokenize_duration_seconds_count", input="text") == 1
+    assert d.get("tessera:tokenize_duration_seconds_count", input="chat") == 1
+    assert d.get("tessera:tokenizer_tokens_total", op="tokenize") == sum(len(r.response.token_ids) for r in results) > 0
+
+
 def test_stream_gauges_tokens_and_outcomes(tokenizer):
     stub = tokenizer.stub
     ids = list(stub.Tokenize(pb.TokenizeRequest(text="The quick brown fox jumps over the lazy dog")).token_ids)

@@ -251,6 +251,57 @@ def test_rejections_are_logged_with_the_request_id(server, stub):
     pytest.fail("no log line carries the request id")
 
 
+# --- the tokenize stream ----------------------------------------------------------------------
+
+def tokenize_items(*requests: pb.TokenizeRequest, first_id: int = 1) -> pb.TokenizeStreamRequest:
+    return pb.TokenizeStreamRequest(items=[pb.TokenizeItem(id=first_id + i, request_id=f"tok-{first_id + i}",
+                                                           request=r) for i, r in enumerate(requests)])
+
+
+def test_tokenize_stream_answers_every_item_by_id_as_tokenize_would(stub):
+    good = [pb.TokenizeRequest(text="Hello, world!"),
+            chat(("system", "Be brief."), ("user", "Why is the sky blue?")),
+            pb.TokenizeRequest(text="héllo 数据 🚀", return_offsets=True),
+            pb.TokenizeRequest(text="x" * (MAX_INPUT_CHARS - 500)),  # big: tokenized on a worker thread
+            pb.TokenizeRequest(text="no bos", add_special_tokens=False)]
+    bad = [request for method, request, _ in BAD_UNARY.values() if method == "Tokenize"]
+    fields = [field for method, _, field in BAD_UNARY.values() if method == "Tokenize"]
+    mixed = [r for pair in zip(good, bad) for r in pair] + good[len(bad):] + bad[len(good):]
+    first = tokenize_items(*mixed)
+    second = tokenize_items(pb.TokenizeRequest(text="after the first message"), first_id=100)
+    replies = list(stub.TokenizeStream(iter([first, second]), timeout=30))
+
+    results = {r.id: r for reply in replies for r in reply.results}
+    assert sum(len(reply.results) for reply in replies) == len(results) == len(mixed) + 1  # each once
+    for item in list(first.items) + list(second.items):
+        result = results[item.id]
+        if item.request in bad:
+            field = fields[bad.index(item.request)]
+            assert result.error.code == "INVALID_ARGUMENT" and result.error.message.startswith(field + ":")
+            assert not result.HasField("response")
+        else:
+            assert not result.HasField("error"), result.error
+            assert result.response == stub.Tokenize(item.request), item.request
+    # The small items of a message are answered together; the big one may come on its own.
+    big_id = first.items[mixed.index(good[3])].id
+    small = {item.id for item in first.items if item.id != big_id}
+    assert any(small <= {r.id for r in reply.results} for reply in replies)
+
+
+def test_tokenize_stream_rejections_are_logged_with_the_request_id(server, stub):
+    request = tokenize_items(pb.TokenizeRequest(), pb.TokenizeRequest(text="fine"), first_id=7)
+    request.items[0].request_id = "req-stream-log-check-7"
+    replies = list(stub.TokenizeStream(iter([request]), timeout=30))
+    assert [(r.id, r.HasField("error")) for reply in replies for r in reply.results] == [(7, True), (8, False)]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        if any(line.get("request_id") == "req-stream-log-check-7" for line in lines):
+            return
+        time.sleep(0.05)
+    pytest.fail("no log line carries the request id")
+
+
 # --- the detokenize stream --------------------------------------------------------------------
 
 def test_stream_100_interleaved_requests(stub):

@@ -39,7 +39,7 @@ import grpc
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend.engine_client import EngineCoreClient, NoReplicaError
 from tessera_frontend.output_processor import Failure, OutputProcessor, RequestState
-from tessera_frontend.tokenizer_client import TokenizerClient
+from tessera_frontend.tokenizer_client import TokenizeError, TokenizerClient
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ class AsyncLLM:
         self.processor = OutputProcessor(tokenizer, engine.abort, engine.abort_samples)
 
     def start(self) -> None:
-        """Start the background tasks: the detokenize stream, output delivery, the engine replicas."""
-        self.tokenizer.stream.start()
+        """Start the background tasks: the tokenizer streams, output delivery, the engine replicas."""
+        self.tokenizer.start()
         self.processor.start()
         self.engine.start(self.processor.process_step, self._on_engine_lost)
 
@@ -116,8 +116,7 @@ class AsyncLLM:
 
     @property
     def ready(self) -> bool:
-        return (self.tokenizer.model_info is not None and self.tokenizer.stream.connected
-                and self.engine.ready)
+        return self.tokenizer.model_info is not None and self.tokenizer.connected and self.engine.ready
 
     @property
     def max_model_len(self) -> int | None:
@@ -216,8 +215,8 @@ class AsyncLLM:
             return self._checked_ids(list(prompt))
         try:
             reply = await self.tokenizer.tokenize(request, request_id)
-        except grpc.aio.AioRpcError as exc:
-            raise GenerateError(exc.code(), f"tokenizer: {exc.details()}") from None
+        except TokenizeError as exc:
+            raise GenerateError(exc.code, f"tokenizer: {exc.message}") from None
         return list(reply.token_ids)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:

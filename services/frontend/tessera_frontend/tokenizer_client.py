@@ -1,27 +1,34 @@
 """Client of the tokenizer service.
 
-Two parts:
+Three parts:
 
-* `TokenizerClient`: the unary calls (Tokenize, GetModelInfo, Detokenize), a
-  readiness probe, and a cache of single-token texts (to fill TokenLogprob.token).
+* `TokenizerClient`: tokenize() (on the tokenize stream), the unary calls
+  (GetModelInfo, Detokenize), a readiness probe, and a cache of single-token texts
+  (to fill TokenLogprob.token).
+* `TokenizeStream`: the ONE long-lived TokenizeStream call for every request's
+  prompt: no call set-up per request, and the prompts of a burst of requests
+  travel as one message. Items carry ids; replies resolve them by id.
 * `DetokenizeStream`: the ONE long-lived DetokenizeStream call the frontend keeps
   open. Each engine step's new tokens (for many requests) go out as one
   DetokenizeStreamRequest; the tokenizer answers each message with one
   DetokenizeStreamResponse in order, so replies are matched to requests by a FIFO
   of futures. If the stream breaks, every waiting future fails with
   `DetokenizeStreamError`, `generation` is bumped (the tokenizer forgot every open
-  request) and the stream is reopened once the tokenizer is SERVING again.
+  request) and the stream is reopened once the tokenizer is SERVING again. The
+  tokenize stream reconnects the same way (its waiting prompts fail with
+  `TokenizeStreamError`).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 from typing import Iterable, Sequence
 
 import grpc
 
-from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS, REQUEST_ID_KEY
+from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_frontend.grpc_util import drain, is_serving
 
@@ -34,16 +41,39 @@ class DetokenizeStreamError(Exception):
     """The detokenize stream is down (or broke while a message was in flight)."""
 
 
+class TokenizeStreamError(Exception):
+    """The tokenize stream is down (or broke while a prompt was in flight)."""
+
+
+class TokenizeError(Exception):
+    """The tokenizer refused a prompt or could not be reached; `code` is the gRPC status to report."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class TokenizerClient:
-    """Unary calls to the tokenizer service at `addr`, plus the shared detokenize stream."""
+    """The tokenizer service at `addr`: the shared tokenize and detokenize streams, unary calls."""
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
         self.channel = grpc.aio.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.stream = DetokenizeStream(self.stub, self.wait_serving)
+        self.tokenize_stream = TokenizeStream(self.stub, self.wait_serving)
         self.model_info: tokenizer_pb2.ModelInfo | None = None
         self._token_text: dict[int, str] = {}
+
+    def start(self) -> None:
+        """Open the two streams (each waits for SERVING and reconnects by itself)."""
+        self.stream.start()
+        self.tokenize_stream.start()
+
+    @property
+    def connected(self) -> bool:
+        return self.stream.connected and self.tokenize_stream.connected
 
     async def is_serving(self) -> bool:
         return await is_serving(self.channel)
@@ -59,8 +89,18 @@ class TokenizerClient:
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest, request_id: str,
                        timeout: float = 30.0) -> tokenizer_pb2.TokenizeResponse:
-        return await self.stub.Tokenize(request, timeout=timeout,
-                                        metadata=((REQUEST_ID_KEY, request_id),))
+        """Tokenize on the tokenize stream; TokenizeError with the status the unary Tokenize
+        would give (INVALID_ARGUMENT naming the field, UNAVAILABLE, DEADLINE_EXCEEDED)."""
+        try:
+            result = await asyncio.wait_for(self.tokenize_stream.submit(request, request_id), timeout)
+        except TokenizeStreamError as exc:
+            raise TokenizeError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except asyncio.TimeoutError:
+            raise TokenizeError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:g} s") from None
+        if result.HasField("error"):
+            code = getattr(grpc.StatusCode, result.error.code, grpc.StatusCode.INTERNAL)
+            raise TokenizeError(code, result.error.message)
+        return result.response
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
                          timeout: float = 10.0) -> str:
@@ -80,17 +120,21 @@ class TokenizerClient:
 
     async def close(self) -> None:
         await self.stream.close()
+        await self.tokenize_stream.close()
         await self.channel.close()
 
 
-class DetokenizeStream:
-    """The multiplexed DetokenizeStream call: send one message per engine step, get its results."""
+class _TokenizerStream:
+    """One long-lived streaming call to the tokenizer, reopened whenever it breaks (once the
+    tokenizer is SERVING again). Subclasses say which call, how replies resolve waiting
+    futures and how the futures fail when the stream breaks."""
+
+    name = ""
 
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready) -> None:
         self._stub = stub
         self._wait_ready = wait_ready
         self._outbox: asyncio.Queue | None = None
-        self._pending: collections.deque[asyncio.Future] = collections.deque()
         self._task: asyncio.Task | None = None
         # Bumped each time a new stream opens: requests opened on an older one are lost.
         self.generation = 0
@@ -100,13 +144,66 @@ class DetokenizeStream:
         return self._outbox is not None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="detokenize-stream")
+        self._task = asyncio.create_task(self._run(), name=f"{self.name}-stream")
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+    def _open(self, requests) -> grpc.aio.StreamStreamCall:
+        raise NotImplementedError
+
+    def _on_open(self) -> None:
+        """A new stream is open: start its bookkeeping of waiting futures."""
+
+    def _on_response(self, response) -> None:
+        raise NotImplementedError
+
+    def _fail_waiting(self, reason: str) -> None:
+        raise NotImplementedError
+
+    async def _run(self) -> None:
+        """Keep one stream open: (re)connect whenever the tokenizer is SERVING."""
+        while True:
+            await self._wait_ready()
+            reason = await self._serve_one_stream()
+            log.warning(f"{self.name} stream closed; reconnecting", extra={"reason": reason})
+            await asyncio.sleep(RECONNECT_DELAY_S)
+
+    async def _serve_one_stream(self) -> str:
+        outbox: asyncio.Queue = asyncio.Queue()
+        call = self._open(outbox)
+        self._outbox = outbox
+        self._on_open()
+        self.generation += 1
+        log.info(f"{self.name} stream open", extra={"generation": self.generation})
+        reason = f"the tokenizer closed the {self.name} stream"
+        try:
+            async for response in call:
+                self._on_response(response)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{self.name} stream failed: {exc.code().name}: {exc.details()}"
+        except Exception as exc:  # a bug must not end the reconnect loop
+            log.exception(f"{self.name} stream reader failed")
+            reason = f"internal error: {exc!r}"
+        finally:
+            self._outbox = None
+            outbox.put_nowait(None)
+            call.cancel()
+            self._fail_waiting(reason)
+        return reason
+
+
+class DetokenizeStream(_TokenizerStream):
+    """The multiplexed DetokenizeStream call: send one message per engine step, get its results."""
+
+    name = "detokenize"
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready) -> None:
+        super().__init__(stub, wait_ready)
+        self._pending: collections.deque[asyncio.Future] = collections.deque()
 
     def send(self, items: Sequence[tokenizer_pb2.DetokenizeItem]) -> asyncio.Future:
         """Queue one message; the future resolves to its DetokenizeResults (same order as items)."""
@@ -125,43 +222,64 @@ class DetokenizeStream:
         future = self.send(items)
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # result is not needed
 
-    async def _run(self) -> None:
-        """Keep one stream open: (re)connect whenever the tokenizer is SERVING."""
-        while True:
-            await self._wait_ready()
-            reason = await self._serve_one_stream()
-            log.warning("detokenize stream closed; reconnecting", extra={"reason": reason})
-            await asyncio.sleep(RECONNECT_DELAY_S)
+    def _open(self, outbox: asyncio.Queue) -> grpc.aio.StreamStreamCall:
+        return self._stub.DetokenizeStream(drain(outbox))
 
-    async def _serve_one_stream(self) -> str:
-        outbox: asyncio.Queue = asyncio.Queue()
-        pending: collections.deque[asyncio.Future] = collections.deque()
-        call = self._stub.DetokenizeStream(drain(outbox))
-        self._outbox, self._pending = outbox, pending
-        self.generation += 1
-        log.info("detokenize stream open", extra={"generation": self.generation})
-        reason = "the tokenizer closed the detokenize stream"
-        try:
-            async for response in call:
-                if not pending:
-                    log.error("detokenize stream: reply without a request; ignored")
-                    continue
-                future = pending.popleft()
-                if not future.done():
-                    future.set_result(list(response.results))
-        except grpc.aio.AioRpcError as exc:
-            reason = f"detokenize stream failed: {exc.code().name}: {exc.details()}"
-        except Exception as exc:  # a bug must not end the reconnect loop
-            log.exception("detokenize stream reader failed")
-            reason = f"internal error: {exc!r}"
-        finally:
-            self._outbox = None
-            outbox.put_nowait(None)
-            call.cancel()
-            error = DetokenizeStreamError(reason)
-            while pending:
-                future = pending.popleft()
-                if not future.done():
-                    future.set_exception(error)
-        return reason
+    def _on_open(self) -> None:
+        self._pending = collections.deque()
 
+    def _on_response(self, response: tokenizer_pb2.DetokenizeStreamResponse) -> None:
+        if not self._pending:
+            log.error("detokenize stream: reply without a request; ignored")
+            return
+        future = self._pending.popleft()
+        if not future.done():
+            future.set_result(list(response.results))
+
+    def _fail_waiting(self, reason: str) -> None:
+        error = DetokenizeStreamError(reason)
+        while self._pending:
+            future = self._pending.popleft()
+            if not future.done():
+                future.set_exception(error)
+
+
+class TokenizeStream(_TokenizerStream):
+    """The multiplexed TokenizeStream call: every prompt to tokenize goes out as an item tagged
+    with an id; prompts queued together (a burst of requests) travel as one message."""
+
+    name = "tokenize"
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready) -> None:
+        super().__init__(stub, wait_ready)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+
+    def submit(self, request: tokenizer_pb2.TokenizeRequest, request_id: str) -> asyncio.Future:
+        """Queue one prompt; the future resolves to its TokenizeResult (response or error), or
+        fails with TokenizeStreamError when the stream is or goes down first."""
+        if self._outbox is None:
+            raise TokenizeStreamError("the tokenize stream to the tokenizer is down (tokenizer unavailable)")
+        item_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[item_id] = future
+        future.add_done_callback(lambda f: self._waiting.pop(item_id, None))  # also when the caller gives up
+        self._outbox.put_nowait(tokenizer_pb2.TokenizeStreamRequest(
+            items=[tokenizer_pb2.TokenizeItem(id=item_id, request_id=request_id, request=request)]))
+        return future
+
+    def _open(self, outbox: asyncio.Queue) -> grpc.aio.StreamStreamCall:
+        return self._stub.TokenizeStream(drain(outbox, merge=lambda first, later: first.items.extend(later.items)))
+
+    def _on_response(self, response: tokenizer_pb2.TokenizeStreamResponse) -> None:
+        for result in response.results:
+            future = self._waiting.pop(result.id, None)
+            if future is not None and not future.done():
+                future.set_result(result)
+
+    def _fail_waiting(self, reason: str) -> None:
+        error = TokenizeStreamError(reason)
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(error)

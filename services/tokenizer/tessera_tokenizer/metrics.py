@@ -1,8 +1,8 @@
 """The tokenizer service's Prometheus metrics (prefix `tessera:`; vLLM has no separate
 tokenizer process, so these names are our own). See docs/metrics.md.
 
-Recorded by `server`: one observation per unary call and one per DetokenizeStream
-message (an engine step's worth of tokens for many requests), never per token.
+Recorded by `server`: one observation per unary call or TokenizeStream item and one per
+DetokenizeStream message (an engine step's worth of tokens for many requests), never per token.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tessera.common.metrics import FAST_LATENCY_BUCKETS
 
 TOKENIZE_TIME = Histogram(
     "tessera:tokenize_duration_seconds",
-    "Time to tokenize one Tokenize request (chat template included), in seconds.",
+    "Time to tokenize one Tokenize request or TokenizeStream item (chat template included), in seconds.",
     ["input"], buckets=FAST_LATENCY_BUCKETS)
 DETOKENIZE_TIME = Histogram(
     "tessera:detokenize_duration_seconds",
@@ -26,7 +26,8 @@ TOKENS = Counter(
     ["op"])
 REQUESTS = Counter(
     "tessera:tokenizer_requests",
-    "Unary calls (Tokenize, Detokenize, GetModelInfo) by method and gRPC status code.",
+    "Unary calls (Tokenize, Detokenize, GetModelInfo) and TokenizeStream items (method=TokenizeStream) "
+    "by method and gRPC status code.",
     ["method", "code"])
 STREAMS_ACTIVE = Gauge(
     "tessera:detokenize_streams_active", "Open DetokenizeStream calls (one per frontend).")
@@ -45,5 +46,5 @@ DETOKENIZE_STREAM = DETOKENIZE_TIME.labels("stream")
 TOKENIZED = TOKENS.labels("tokenize")
 DETOKENIZED = TOKENS.labels("detokenize")
 OUTCOMES = {o: STREAM_REQUESTS_DONE.labels(o) for o in ("finished", "stop", "cancel", "error", "stream_closed")}
-for _method in ("Tokenize", "Detokenize", "GetModelInfo"):
+for _method in ("Tokenize", "TokenizeStream", "Detokenize", "GetModelInfo"):
     REQUESTS.labels(_method, "OK")

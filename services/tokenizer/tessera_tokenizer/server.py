@@ -1,4 +1,5 @@
-"""The gRPC TokenizerService: Tokenize, Detokenize, the multiplexed DetokenizeStream, GetModelInfo.
+"""The gRPC TokenizerService: Tokenize, Detokenize, the multiplexed TokenizeStream and
+DetokenizeStream, GetModelInfo.
 
 A thin adapter: validation and proto conversion here, the work in `tokenizer` and
 `detokenizer`. The server starts first (health NOT_SERVING), loads the tokenizer in a
@@ -28,7 +29,7 @@ from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection, request_id_from
 from tessera.common.logs import client_request_id, setup_logging
 from tessera.common.metrics import add_metrics_flag, start_metrics_server
-from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tessera.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_tokenizer import metrics
 from tessera_tokenizer.detokenizer import IncrementalDetokenizer
 from tessera_tokenizer.tokenizer import CHAT_ROLES, Encoding, Tokenizer
@@ -247,18 +248,100 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     @_counted("Tokenize")
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context) -> tokenizer_pb2.TokenizeResponse:
         tokenizer = await self._ready(context)
-        started = time.perf_counter()
         try:
-            encode, size = self._tokenize_job(tokenizer, request)
-            response = await _run(lambda: _tokenize_response(encode()), size > _INLINE_CHARS)
+            job, big = self._prepare(tokenizer, request)
+            response = await _run(job, big)
         except InvalidInput as exc:
             await self._invalid(context, "Tokenize", exc)
-        seconds = time.perf_counter() - started
-        (metrics.TOKENIZE_CHAT if request.WhichOneof("input") == "chat" else metrics.TOKENIZE_TEXT).observe(seconds)
-        metrics.TOKENIZED.inc(len(response.token_ids))
-        log.debug("tokenized", extra={"request_id": request_id_from(context), "tokens": len(response.token_ids),
-                                      "ms": round(seconds * 1e3, 3)})
+        log.debug("tokenized", extra={"request_id": request_id_from(context), "tokens": len(response.token_ids)})
         return response
+
+    async def TokenizeStream(
+        self, request_iterator: AsyncIterator[tokenizer_pb2.TokenizeStreamRequest], context
+    ) -> AsyncIterator[tokenizer_pb2.TokenizeStreamResponse]:
+        """Many requests' prompts on one call. The items of a message that are small are
+        answered together in one reply; a large one is tokenized on a worker thread and
+        answered in a reply of its own when done. A bad item gets an error result; the
+        stream goes on."""
+        tokenizer = await self._ready(context)
+        replies: asyncio.Queue = asyncio.Queue()
+        jobs: set[asyncio.Task] = set()
+        log.info("tokenize stream opened", extra={"peer": context.peer()})
+
+        async def in_thread(item: tokenizer_pb2.TokenizeItem, job: Callable) -> None:
+            result = await asyncio.to_thread(self._stream_result, item, job)
+            replies.put_nowait(tokenizer_pb2.TokenizeStreamResponse(results=[result]))
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    done = []
+                    for item in message.items:
+                        try:
+                            job, big = self._prepare(tokenizer, item.request)
+                        except InvalidInput as exc:
+                            done.append(self._stream_refused(item, exc))
+                            continue
+                        if big:
+                            task = asyncio.create_task(in_thread(item, job))
+                            jobs.add(task)
+                            task.add_done_callback(jobs.discard)
+                        else:
+                            done.append(self._stream_result(item, job))
+                    if done:
+                        replies.put_nowait(tokenizer_pb2.TokenizeStreamResponse(results=done))
+                while jobs:  # the client closed its side: answer what is still running, then end
+                    await asyncio.gather(*jobs)
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.create_task(read(), name="tokenize-stream-reader")
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+            reader.result()  # re-raise a reader failure
+        finally:
+            reader.cancel()
+            for task in list(jobs):
+                task.cancel()
+            log.info("tokenize stream closed", extra={"peer": context.peer()})
+
+    def _stream_result(self, item: tokenizer_pb2.TokenizeItem, job: Callable) -> tokenizer_pb2.TokenizeResult:
+        """Run one stream item's job; its result, or its error (the stream itself goes on)."""
+        try:
+            response = job()
+        except InvalidInput as exc:
+            return self._stream_refused(item, exc)
+        except Exception as exc:  # noqa: BLE001 (a bug in one item must not end the stream)
+            log.exception("tokenize failed", extra={"request_id": item.request_id})
+            metrics.REQUESTS.labels("TokenizeStream", "INTERNAL").inc()
+            return tokenizer_pb2.TokenizeResult(id=item.id, error=common_pb2.RequestError(
+                code="INTERNAL", message=f"tokenizer internal error: {exc!r}"))
+        metrics.REQUESTS.labels("TokenizeStream", "OK").inc()
+        log.debug("tokenized", extra={"request_id": item.request_id, "tokens": len(response.token_ids)})
+        return tokenizer_pb2.TokenizeResult(id=item.id, response=response)
+
+    def _stream_refused(self, item: tokenizer_pb2.TokenizeItem, exc: InvalidInput) -> tokenizer_pb2.TokenizeResult:
+        log.info("TokenizeStream item rejected: %s", exc, extra={"request_id": item.request_id})
+        metrics.REQUESTS.labels("TokenizeStream", "INVALID_ARGUMENT").inc()
+        return tokenizer_pb2.TokenizeResult(id=item.id, error=common_pb2.RequestError(
+            code="INVALID_ARGUMENT", message=str(exc)))
+
+    def _prepare(self, tokenizer: Tokenizer, request: tokenizer_pb2.TokenizeRequest
+                 ) -> tuple[Callable[[], tokenizer_pb2.TokenizeResponse], bool]:
+        """Validate a TokenizeRequest (InvalidInput); return the work, observed in the tokenize
+        metrics, and whether it is big enough for a worker thread."""
+        encode, size = self._tokenize_job(tokenizer, request)
+        timer = metrics.TOKENIZE_CHAT if request.WhichOneof("input") == "chat" else metrics.TOKENIZE_TEXT
+
+        def job() -> tokenizer_pb2.TokenizeResponse:
+            started = time.perf_counter()
+            response = _tokenize_response(encode())
+            timer.observe(time.perf_counter() - started)
+            metrics.TOKENIZED.inc(len(response.token_ids))
+            return response
+
+        return job, size > _INLINE_CHARS
 
     def _tokenize_job(self, tokenizer: Tokenizer, request: tokenizer_pb2.TokenizeRequest) -> tuple[Callable, int]:
         """Validate a TokenizeRequest; return (the work to do, its size in characters)."""

@@ -193,7 +193,8 @@ class AsyncLLM:
         finally:
             if self.processor.release(engine_id):
                 self.engine.abort([engine_id])
-            log.info("request done" if finished == n else "request ended early",
+            # DEBUG: the API layer's "request finished" line is the request's INFO record of its end
+            log.debug("request done" if finished == n else "request ended early",
                      extra={"request_id": request_id, "completion_tokens": completion_tokens,
                             "seconds": round(time.time() - arrival, 4)})
 

@@ -37,6 +37,9 @@ Isolated-request TTFT (--ttft-probes, default 16): the same prompts one at a tim
 latency (tokenize, the gRPC hops, detokenize) without the batch-64 step quantization
 that dominates the TTFT of the concurrent workload on CPU.
 
+CPU seconds per run of each process (stack and engine sides; the client is this process,
+the services are read from /proc): where the CPU the engine shares its cores with goes.
+
 The last line printed is `stack_vs_inprocess=<stack tokens/s / in-process tokens/s>`.
 Results go to results/stack_overhead.json (or --out).
 
@@ -166,6 +169,17 @@ class StackProcesses:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{name} not SERVING after {timeout_s:g} s")
                     time.sleep(0.25)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each service process has used so far (Linux /proc; {} elsewhere)."""
+        out = {}
+        for name, proc in self.procs.items():
+            try:
+                fields = pathlib.Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                return {}
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
@@ -326,7 +340,7 @@ def _summary(t0: float, t_end: float, sent: list[float], first: list[float | Non
     total = sum(len(t) for t in tokens)
     return {"output_tokens": total, "wall_s": t_end - t0, "tokens_per_s": total / (t_end - t0),
             "ttft_median_s": median(ttft), "ttft_max_s": max(ttft) if ttft else None,
-            "foreign_cores": usage.foreign_cores, "_tokens": tokens}
+            "foreign_cores": usage.foreign_cores, "client_cpu_s": usage.cpu_s, "_tokens": tokens}
 
 
 def main(argv=None) -> int:
@@ -357,12 +371,17 @@ def main(argv=None) -> int:
         def measure(side: str, repeat: int, prompts, ids) -> dict:
             if side == "inprocess":
                 return run_inprocess(new_core, ids, args.output_tokens)
+            before = stack.cpu_seconds()
             if side == "engine":
-                return aio.run(run_engine_direct(stack.addr("engine"), ids, args.output_tokens, f"e{repeat}"),
-                               args.event_loop)
-            result = aio.run(run_stack(stack.addr("frontend"), prompts, args.output_tokens), args.event_loop)
-            if result["prompt_tokens"] != [len(p) for p in ids]:
-                raise RuntimeError("the stack saw different prompt lengths than the in-process side")
+                result = aio.run(run_engine_direct(stack.addr("engine"), ids, args.output_tokens, f"e{repeat}"),
+                                 args.event_loop)
+            else:
+                result = aio.run(run_stack(stack.addr("frontend"), prompts, args.output_tokens), args.event_loop)
+                if result["prompt_tokens"] != [len(p) for p in ids]:
+                    raise RuntimeError("the stack saw different prompt lengths than the in-process side")
+            after = stack.cpu_seconds()
+            result["cpu_s"] = {"client": result["client_cpu_s"]} | {
+                name: after[name] - before[name] for name in after if name in before}
             return result
 
         log("warm-up (every side) ...")
@@ -382,9 +401,11 @@ def main(argv=None) -> int:
                 if wrong:
                     raise RuntimeError(f"{side}: wrong number of tokens for requests {wrong[:5]}")
                 results[side].append(result)
+                cpu = "".join(f" {name} {s:.2f}" for name, s in result.get("cpu_s", {}).items()
+                              if side == "stack" or name in ("client", "engine"))
                 log(f"  repeat {repeat} {side:9s}: {result['tokens_per_s']:8.1f} tok/s  "
                     f"TTFT median {result['ttft_median_s'] * 1000:8.1f} ms  "
-                    f"(other processes: {result['foreign_cores'] or 0:.2f} cores)")
+                    f"(other processes: {result['foreign_cores'] or 0:.2f} cores)" + (f"  CPU s:{cpu}" if cpu else ""))
             # Greedy on both sides: the outputs should agree (batching may differ in the last bits).
             same = sum(len(set(map(tuple, pair))) == 1 for pair in zip(
                 results["inprocess"][-1]["_tokens"], results["stack"][-1]["_tokens"]))
@@ -415,6 +436,10 @@ def main(argv=None) -> int:
         summary["isolated_ttft_inprocess_ms"] = probes["inprocess"] * 1000
         summary["isolated_ttft_stack_ms"] = probes["stack"] * 1000
         summary["isolated_ttft_added_ms"] = (probes["stack"] - probes["inprocess"]) * 1000
+    for side in ("stack", "engine"):  # where the CPU went, per process (the client is this process)
+        if side in sides and results[side][0].get("cpu_s"):
+            summary[f"{side}_cpu_s"] = {name: median(r["cpu_s"][name] for r in results[side])
+                                        for name in results[side][0]["cpu_s"]}
     summary["greedy_outputs_identical_fraction"] = median(matches)
     summary["targets"] = {k: {"target": v, "met": (summary[k] >= v if k == "stack_vs_inprocess" else summary[k] <= v)}
                           for k, v in TARGETS.items()}
@@ -442,11 +467,14 @@ def main(argv=None) -> int:
     if "engine" in sides:
         print(f"engine service / in-process: {summary['engine_service_vs_inprocess']:.3f}   "
               f"stack / engine service: {summary['stack_vs_engine_service']:.3f}")
-    print(f"TTFT added by the stack (64 concurrent): {summary['ttft_added_ms']:.1f} ms "
+    print(f"TTFT added by the stack ({args.num_prompts} concurrent): {summary['ttft_added_ms']:.1f} ms "
           f"(target <= {TARGETS['ttft_added_ms']:g})")
     if probes:
         print(f"TTFT added by the stack (isolated requests): {summary['isolated_ttft_added_ms']:.1f} ms "
               f"({summary['isolated_ttft_inprocess_ms']:.1f} -> {summary['isolated_ttft_stack_ms']:.1f})")
+    if "stack_cpu_s" in summary:
+        print("CPU seconds per stack run (median): " + ", ".join(f"{name} {s:.2f}"
+                                                             for name, s in summary["stack_cpu_s"].items()))
     print(f"greedy outputs identical on both sides: {summary['greedy_outputs_identical_fraction']:.0%}")
     print(f"results: {out}")
     print(f"stack_vs_inprocess={summary['stack_vs_inprocess']:.3f}")

@@ -242,13 +242,17 @@ def test_limits_are_inclusive(stub):
 def test_rejections_are_logged_with_the_request_id(server, stub):
     with pytest.raises(grpc.RpcError):
         stub.Tokenize(pb.TokenizeRequest(), metadata=[("x-request-id", "req-log-check-42")])
+    assert_logged_with_request_id(server, "req-log-check-42")
+
+
+def assert_logged_with_request_id(server, request_id: str) -> None:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
-        if any(line.get("request_id") == "req-log-check-42" for line in lines):
+        if any(line.get("request_id") == request_id for line in lines):
             return
         time.sleep(0.05)
-    pytest.fail("no log line carries the request id")
+    pytest.fail(f"no log line carries the request id {request_id}")
 
 
 # --- the tokenize stream ----------------------------------------------------------------------
@@ -293,13 +297,7 @@ def test_tokenize_stream_rejections_are_logged_with_the_request_id(server, stub)
     request.items[0].request_id = "req-stream-log-check-7"
     replies = list(stub.TokenizeStream(iter([request]), timeout=30))
     assert [(r.id, r.HasField("error")) for reply in replies for r in reply.results] == [(7, True), (8, False)]
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
-        if any(line.get("request_id") == "req-stream-log-check-7" for line in lines):
-            return
-        time.sleep(0.05)
-    pytest.fail("no log line carries the request id")
+    assert_logged_with_request_id(server, "req-stream-log-check-7")
 
 
 # --- the detokenize stream --------------------------------------------------------------------

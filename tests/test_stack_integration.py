@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -243,6 +244,30 @@ def test_concurrent_requests_do_not_mix(stack):
     for result in results:
         assert "Paris" in result.choices[0].text
         assert result.usage.completion_tokens == len(result.choices[0].token_ids)
+
+
+def test_prompts_tokenized_together_get_their_own_ids(stack):
+    """Requests tokenized at once (items of one tokenize stream) each get their own prompt's
+    ids; a prompt the tokenizer refuses fails alone, INVALID_ARGUMENT naming the field."""
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=2)
+    prompts = ["Hi", "Water boils at", "The largest planet in the solar system is",
+               "Count with me, slowly and clearly: one, two, three, four, five,"]
+    too_long = frontend_pb2.GenerateRequest(text="x" * 1_000_001, sampling_params=params)  # tokenizer's default cap
+    good = [frontend_pb2.GenerateRequest(text=p, sampling_params=params) for p in prompts]
+    mixed = [good[0], too_long, good[1], good[2], too_long, good[3]]
+    futures = [stack.frontend_stub.Complete.future(r, timeout=120) for r in mixed]
+    for request, future in zip(mixed, futures):
+        if request is too_long:
+            with pytest.raises(grpc.RpcError) as err:
+                future.result()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "text: 1000001 characters" in err.value.details(), err.value.details()
+            continue
+        result = future.result()
+        alone = stack.frontend_stub.Complete(request, timeout=120)
+        ids = stack.tokenizer_stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=request.text), timeout=10).token_ids
+        assert result.usage.prompt_tokens == alone.usage.prompt_tokens == len(ids)
+        assert result.choices[0].token_ids == alone.choices[0].token_ids
 
 
 def test_prompt_as_text_and_as_token_ids(stack):

@@ -340,7 +340,7 @@ def _summary(t0: float, t_end: float, sent: list[float], first: list[float | Non
     total = sum(len(t) for t in tokens)
     return {"output_tokens": total, "wall_s": t_end - t0, "tokens_per_s": total / (t_end - t0),
             "ttft_median_s": median(ttft), "ttft_max_s": max(ttft) if ttft else None,
-            "foreign_cores": usage.foreign_cores, "client_cpu_s": usage.cpu_s, "_tokens": tokens}
+            "foreign_cores": usage.foreign_cores, "own_cpu_s": usage.cpu_s, "_tokens": tokens}
 
 
 def main(argv=None) -> int:
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
                 if result["prompt_tokens"] != [len(p) for p in ids]:
                     raise RuntimeError("the stack saw different prompt lengths than the in-process side")
             after = stack.cpu_seconds()
-            result["cpu_s"] = {"client": result["client_cpu_s"]} | {
+            result["cpu_s"] = {"client": result["own_cpu_s"]} | {
                 name: after[name] - before[name] for name in after if name in before}
             return result
 

@@ -34,7 +34,8 @@ import time
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, median, questions  # noqa: E402
+import stack_overhead  # noqa: E402
+from common import environment, measure_usage, median, questions  # noqa: E402
 from stack_overhead import HOST, StackProcesses  # noqa: E402
 
 from tessera.common import aio  # noqa: E402
@@ -52,11 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--event-loop", default="auto", choices=aio.EVENT_LOOPS)
     ap.add_argument("--out", default=str(REPO / "results" / "tokenize_overhead.json"))
     return ap.parse_args(argv)
-
-
-def _self_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 async def measure(args: argparse.Namespace, tokenizer_service: StackProcesses) -> dict:
@@ -91,16 +87,14 @@ async def measure(args: argparse.Namespace, tokenizer_service: StackProcesses) -
                 fn = sides[side]
                 await asyncio.gather(*(fn(i) for i in range(args.prompts)))  # warm
                 server0 = tokenizer_service.cpu_seconds()["tokenizer"]
-                client0 = _self_cpu_s()
-                t0 = time.perf_counter()
-                for _ in range(args.rounds):
-                    got = await asyncio.gather(*(fn(i) for i in range(args.prompts)))
-                    if got != expected:
-                        raise RuntimeError(f"{side}: token ids differ from the unary answer")
-                wall = time.perf_counter() - t0
+                with measure_usage() as usage:
+                    for _ in range(args.rounds):
+                        got = await asyncio.gather(*(fn(i) for i in range(args.prompts)))
+                        if got != expected:
+                            raise RuntimeError(f"{side}: token ids differ from the unary answer")
                 run = {"tokenizer_cpu_ms_per_prompt": (tokenizer_service.cpu_seconds()["tokenizer"] - server0) / n * 1e3,
-                       "client_cpu_ms_per_prompt": (_self_cpu_s() - client0) / n * 1e3,
-                       "wall_ms_per_prompt": wall / n * 1e3}
+                       "client_cpu_ms_per_prompt": usage.cpu_s / n * 1e3,
+                       "wall_ms_per_prompt": usage.wall_s / n * 1e3}
                 runs[side].append(run)
                 print(f"  repeat {repeat} {side:6s}: tokenizer {run['tokenizer_cpu_ms_per_prompt']:.3f} ms CPU, "
                       f"client {run['client_cpu_ms_per_prompt']:.3f} ms CPU, wall {run['wall_ms_per_prompt']:.3f} ms "
@@ -112,10 +106,8 @@ async def measure(args: argparse.Namespace, tokenizer_service: StackProcesses) -
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    service = StackProcesses(argparse.Namespace(
-        dtype="auto", device="auto", kv_cache_gib=1.0, max_num_seqs=1, max_num_batched_tokens=1, block_size=16,
-        no_prefix_caching=True, threads=None, model=None, stream_interval=1, event_loop=args.event_loop))
-    service.commands = {"tokenizer": service.commands["tokenizer"]}
+    service = StackProcesses(stack_overhead.parse_args(["--event-loop", args.event_loop]))
+    service.commands = {"tokenizer": service.commands["tokenizer"]}  # the tokenizer alone
     service.start(120)
     try:
         runs = aio.run(measure(args, service), args.event_loop)

@@ -295,4 +295,3 @@ class IncrementalDetokenizer:
             self.finished = True
             return _output("".join(pieces), stop, len(token_ids), True)
         return _output("".join(pieces), None, len(token_ids), False)
-

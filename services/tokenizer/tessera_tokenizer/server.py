@@ -248,12 +248,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     @_counted("Tokenize")
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context) -> tokenizer_pb2.TokenizeResponse:
         tokenizer = await self._ready(context)
+        started = time.perf_counter()
         try:
             job, big = self._prepare(tokenizer, request)
             response = await _run(job, big)
         except InvalidInput as exc:
             await self._invalid(context, "Tokenize", exc)
-        log.debug("tokenized", extra={"request_id": request_id_from(context), "tokens": len(response.token_ids)})
+        log.debug("tokenized", extra={"request_id": request_id_from(context), "tokens": len(response.token_ids),
+                                      "ms": round((time.perf_counter() - started) * 1e3, 3)})
         return response
 
     async def TokenizeStream(

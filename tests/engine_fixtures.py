@@ -1,5 +1,6 @@
 """Fixtures for the in-process engine tests: the default model loaded once, HF's
-reference greedy outputs on the same weights, and prompts of mixed lengths."""
+reference greedy outputs on the same weights, prompts of mixed lengths, and a tiny
+random Llama for tests that need fast steps rather than real text."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +11,8 @@ import torch
 from tessera.common.model_source import resolve_model
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore
-from tessera_engine.models.loader import load_model
+from tessera_engine.models.llama import LlamaForCausalLM
+from tessera_engine.models.loader import LoadedModel, load_model
 from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
 
@@ -40,6 +42,25 @@ QUESTIONS = [
     "Tell me a fun fact about octopuses.",
     "What does CPU stand for?",
 ]
+
+
+def tiny_hf_llama(hidden_size: int = 64, intermediate_size: int = 128, num_layers: int = 1,
+                  max_len: int = 128, seed: int = 3):
+    """A random Hugging Face Llama (vocab 256, 4 heads, 2 KV heads) and its config, built here."""
+    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_len)
+    torch.manual_seed(seed)
+    return cfg, HFLlama(cfg).eval()
+
+
+def tiny_loaded(cfg, hf_model, block_size: int = 16, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """tessera's Llama with the weights of `hf_model` (from tiny_hf_llama), as the engine loads a model."""
+    model = LlamaForCausalLM(cfg, block_size, cfg.max_position_embeddings)
+    model.load_hf_state_dict(hf_model.state_dict())
+    return LoadedModel(model.to(dtype=dtype).eval(), cfg, "tiny", cfg.max_position_embeddings)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from tessera_engine import cpu_kernels
 from tessera_engine.models.llama import apply_rotary_signed
 
+from engine_fixtures import tiny_hf_llama, tiny_loaded
+
 K = cpu_kernels.get()
 pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels could not be built here")
 
@@ -128,15 +130,6 @@ def test_bad_input_is_refused_with_a_clear_error():
                            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.long), 1.0, 16)
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
-
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    torch.manual_seed(5)
-    return cfg, HFLlama(cfg).eval()
-
-
 @pytest.mark.parametrize("dtype", ["float32"])
 def test_engine_with_kernels_equals_engine_with_torch_ops(dtype, monkeypatch):
     """The same greedy tokens with the fused kernels and with the plain torch ops (a mixed
@@ -145,12 +138,10 @@ def test_engine_with_kernels_equals_engine_with_torch_ops(dtype, monkeypatch):
     which flips near-ties of a random model (each kernel's bf16 rounding is tested above)."""
     from tessera_engine.config import EngineConfig
     from tessera_engine.core import EngineCore
-    from tessera_engine.models.llama import LlamaForCausalLM
-    from tessera_engine.models.loader import LoadedModel
     from tessera_engine.request import EngineCoreRequest
     from tessera_engine.sampling_params import SamplingParams
 
-    cfg, hf = _tiny_llama()
+    cfg, hf = tiny_hf_llama(hidden_size=128, intermediate_size=256, num_layers=2, max_len=256, seed=5)
     tdtype = getattr(torch, dtype)
     prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
                for n in (3, 40, 17, 90, 5, 64)]
@@ -158,11 +149,8 @@ def test_engine_with_kernels_equals_engine_with_torch_ops(dtype, monkeypatch):
     def run(kernels_on: bool) -> list[list[int]]:
         monkeypatch.setattr(cpu_kernels, "enabled", lambda: kernels_on)
         cpu_kernels._state.clear()
-        model = LlamaForCausalLM(cfg, 16, 256)
-        model.load_hf_state_dict(hf.state_dict())
-        model = model.to(dtype=tdtype).eval()
         core = EngineCore(EngineConfig(model="tiny", dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48,
-                                       block_size=16), LoadedModel(model, cfg, "tiny", 256))
+                                       block_size=16), tiny_loaded(cfg, hf, dtype=tdtype))
         assert (core.executor.runner.kernels is not None) == kernels_on
         for i, p in enumerate(prompts):
             core.add_request(EngineCoreRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24,

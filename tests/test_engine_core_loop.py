@@ -8,27 +8,19 @@ import sys
 import time
 
 import pytest
-import torch
 
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore, EngineCoreLoop
-from tessera_engine.models.llama import LlamaForCausalLM
-from tessera_engine.models.loader import LoadedModel
 from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
 
+from engine_fixtures import tiny_hf_llama, tiny_loaded
+
 
 def _core(idle_batch_wait_ms: float) -> EngineCore:
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
-
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(cfg, 16, 128)
-    model.load_hf_state_dict(HFLlama(cfg).eval().state_dict())
     return EngineCore(EngineConfig(model="tiny", dtype="float32", num_kv_blocks=32, block_size=16,
                                    idle_batch_wait_ms=idle_batch_wait_ms),
-                      LoadedModel(model.eval(), cfg, "tiny", 128))
+                      tiny_loaded(*tiny_hf_llama()))
 
 
 class _Run:

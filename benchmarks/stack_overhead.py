@@ -35,10 +35,25 @@ Metrics (medians over --repeats are quoted):
 Isolated-request TTFT (--ttft-probes, default 16): the same prompts one at a time
 (max_tokens 1) on each side, so the median difference is the stack's own per-request
 latency (tokenize, the gRPC hops, detokenize) without the batch-64 step quantization
-that dominates the TTFT of the concurrent workload on CPU.
+that dominates the TTFT of the concurrent workload on CPU. Each side first runs the
+same questions once untimed (under another system message), so that neither side pays
+for its first single-request prompt shapes (torch's kernel set-up) inside the timing;
+measured without that, whichever side went first lost 20-30 ms.
 
 CPU seconds per run of each process (stack and engine sides; the client is this process,
 the services are read from /proc): where the CPU the engine shares its cores with goes.
+
+Placement (--placement):
+  split   (default) the cores are divided as separate pods would have them: both engines
+          (the in-process one and the engine service) get all cores but the last, with a
+          torch thread per core; the client, the frontend and the tokenizer get the last core.
+          The in-process side runs on the same cores as the stack's engine, so the ratio is
+          the cost of the split itself. Needs at least 2 cores.
+  shared  every process may run on every core: the engine's torch threads share the
+          machine's cores with the client, the frontend and the tokenizer. On a small
+          machine their CPU (about 2.3 s per run on 2 cores) preempts one of the engine's
+          OpenMP threads and the other one spins at the next barrier, so this measures
+          co-location on too few cores as much as the split.
 
 The last line printed is `stack_vs_inprocess=<stack tokens/s / in-process tokens/s>`.
 Results go to results/stack_overhead.json (or --out).
@@ -101,6 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the frontend's --stream-interval (tokens per streamed message after the first)")
     ap.add_argument("--event-loop", default="auto", choices=aio.EVENT_LOOPS,
                     help="event loop of the stack's services and of this gRPC client")
+    ap.add_argument("--placement", default="split", choices=("split", "shared"),
+                    help="shared: every process on every core; split: the engines on all cores but the "
+                         "last, the client, frontend and tokenizer on the last (see above)")
     ap.add_argument("--ttft-probes", type=int, default=16, help="isolated requests per side for TTFT (0: none)")
     ap.add_argument("--no-engine-side", action="store_true", help="skip the engine-service-alone diagnostic")
     ap.add_argument("--wait-quiet", type=float, default=20.0,
@@ -118,10 +136,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Placement:
+    """Which cores the engines use and which the client, frontend and tokenizer use (None: any)."""
+
+    def __init__(self, mode: str) -> None:
+        cpus = sorted(os.sched_getaffinity(0))
+        self.mode = mode
+        self.engine: list[int] | None = None
+        self.others: list[int] | None = None
+        if mode == "split":
+            if len(cpus) < 2:
+                raise SystemExit("--placement split needs at least 2 cores")
+            self.engine, self.others = cpus[:-1], cpus[-1:]
+
+    def command(self, name: str, command: list[str]) -> list[str]:
+        """The command, under taskset when this process is pinned."""
+        cpus = self.engine if name == "engine" else self.others
+        return command if cpus is None else ["taskset", "-c", ",".join(map(str, cpus)), *command]
+
+    def pin_self(self, role: str) -> None:
+        """Move every thread of this process onto the engine's cores or the others' (role: 'engine' or 'client')."""
+        cpus = self.engine if role == "engine" else self.others
+        if cpus is None:
+            return
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:  # a thread that just ended
+                pass
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "engine_cpus": self.engine, "client_frontend_tokenizer_cpus": self.others}
+
+
 class StackProcesses:
     """The three services as child processes on free loopback ports (logs in a temp directory)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, placement: Placement | None = None) -> None:
+        self.placement = placement or Placement("shared")  # unpinned unless told
         self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="tessera-bench-"))
         self.ports = {name: _free_port() for name in ("tokenizer", "engine", "frontend")}
         engine_flags = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
@@ -151,7 +203,7 @@ class StackProcesses:
         for name, command in self.commands.items():
             with open(self.log_dir / f"{name}.log", "wb") as out:
                 self.procs[name] = subprocess.Popen(
-                    [sys.executable, *command, "--port", str(self.ports[name])],
+                    self.placement.command(name, [sys.executable, *command, "--port", str(self.ports[name])]),
                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         for name in self.commands:
@@ -345,6 +397,9 @@ def _summary(t0: float, t_end: float, sent: list[float], first: list[float | Non
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    placement = Placement(args.placement)
+    if placement.engine is not None and not args.threads:
+        args.threads = len(placement.engine)  # one torch thread per engine core, on both sides
     if args.threads:
         torch.set_num_threads(args.threads)
     config = engine_config(args, device=args.device)
@@ -354,7 +409,10 @@ def main(argv=None) -> int:
     def new_core() -> EngineCore:
         return EngineCore(config, loaded)
 
-    stack = StackProcesses(args)
+    stack = StackProcesses(args, placement)
+    if placement.engine is not None:
+        log(f"placement split: engines on cores {placement.engine} ({args.threads} torch threads), "
+            f"client, frontend and tokenizer on {placement.others}")
     log(f"starting the stack (logs in {stack.log_dir}) ...")
     stack.start(args.startup_timeout)
     sides = ["inprocess", "stack"] + ([] if args.no_engine_side else ["engine"])
@@ -369,6 +427,7 @@ def main(argv=None) -> int:
                     for c in prompts]
 
         def measure(side: str, repeat: int, prompts, ids) -> dict:
+            placement.pin_self("engine" if side == "inprocess" else "client")
             if side == "inprocess":
                 return run_inprocess(new_core, ids, args.output_tokens)
             before = stack.cpu_seconds()
@@ -386,7 +445,9 @@ def main(argv=None) -> int:
 
         log("warm-up (every side) ...")
         warm = chats(-1, 8)
+        placement.pin_self("engine")
         run_inprocess(new_core, token_ids(warm), 8)
+        placement.pin_self("client")
         aio.run(run_stack(stack.addr("frontend"), warm, 8), args.event_loop)
 
         for repeat in range(args.repeats):
@@ -414,9 +475,11 @@ def main(argv=None) -> int:
         if args.ttft_probes:
             wait_for_quiet(args.wait_quiet, log=log)
             for side in ("inprocess", "stack"):
-                prompts = chats(1000 + (side == "stack"), args.ttft_probes)
-                times = (probe_inprocess(new_core, token_ids(prompts)) if side == "inprocess"
-                         else aio.run(probe_stack(stack.addr("frontend"), prompts), args.event_loop))
+                placement.pin_self("engine" if side == "inprocess" else "client")
+                for warm_up in (True, False):
+                    prompts = chats((900 if warm_up else 1000) + (side == "stack"), args.ttft_probes)
+                    times = (probe_inprocess(new_core, token_ids(prompts)) if side == "inprocess"
+                             else aio.run(probe_stack(stack.addr("frontend"), prompts), args.event_loop))
                 probes[side] = median(times)
                 log(f"  isolated requests {side:9s}: TTFT median {probes[side] * 1000:8.1f} ms")
     finally:
@@ -455,6 +518,7 @@ def main(argv=None) -> int:
                                                        "max_num_batched_tokens", "block_size", "threads")}
                         | {"prefix_caching": not args.no_prefix_caching},
         "stack_flags": {"stream_interval": args.stream_interval, "event_loop": args.event_loop},
+        "placement": placement.describe(),
         "summary": summary,
         "runs": {side: [strip(r) for r in runs] for side, runs in results.items()},
         "environment": environment(),

@@ -32,13 +32,14 @@ Metrics (medians over --repeats are quoted):
                    (stack: the client's gRPC call -> the first streamed token; in-process:
                    add_request -> the step that produced it); the median over requests
 
-Isolated-request TTFT (--ttft-probes, default 16): the same prompts one at a time
+Isolated-request TTFT (--ttft-probes, default 16): the same questions one at a time
 (max_tokens 1) on each side, so the median difference is the stack's own per-request
 latency (tokenize, the gRPC hops, detokenize) without the batch-64 step quantization
-that dominates the TTFT of the concurrent workload on CPU. Each side first runs the
-same questions once untimed (under another system message), so that neither side pays
-for its first single-request prompt shapes (torch's kernel set-up) inside the timing;
-measured without that, whichever side went first lost 20-30 ms.
+that dominates the TTFT of the concurrent workload on CPU. The sides take turns prompt
+by prompt, and the whole set runs once untimed first (under another system message), so
+that neither side pays for its first single-request prompt shapes (torch's kernel
+set-up) inside the timing; run side after side without that, whichever went first lost
+20-30 ms.
 
 CPU seconds per run of each process (stack and engine sides; the client is this process,
 the services are read from /proc): where the CPU the engine shares its cores with goes.
@@ -327,34 +328,48 @@ async def run_engine_direct(engine_addr: str, prompt_ids: list[list[int]], max_t
     return _summary(t0, t_end, sent, first, tokens, usage)
 
 
-async def probe_stack(frontend_addr: str, prompts: list[tokenizer_pb2.ChatMessages]) -> list[float]:
-    """TTFT of each prompt sent alone (max_tokens 1), one after another."""
+async def probe_both(frontend_addr: str, new_core, placement: "Placement",
+                     stack_prompts: list[tokenizer_pb2.ChatMessages],
+                     inprocess_ids: list[list[int]]) -> tuple[list[float], list[float]]:
+    """TTFT of each prompt sent alone (max_tokens 1), one after another, the two sides
+    interleaved prompt by prompt (who goes first alternates), so that the machine's drift
+    hits both alike. Returns (in-process times, stack times)."""
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=1)
-    out = []
+    core = new_core()
+    inprocess: list[float] = []
+    stack: list[float] = []
+
+    def one_inprocess(i: int) -> float:
+        t0 = time.perf_counter()
+        core.add_request(EngineCoreRequest(f"p{i}", inprocess_ids[i], SamplingParams(temperature=0.0, max_tokens=1)))
+        while not any(o.new_token_ids for o in core.step()):
+            pass
+        elapsed = time.perf_counter() - t0
+        while core.has_unfinished():
+            core.step()
+        return elapsed
+
     async with grpc.aio.insecure_channel(frontend_addr, options=CHANNEL_OPTIONS) as channel:
         stub = frontend_pb2_grpc.FrontendServiceStub(channel)
         await channel.channel_ready()
-        for chat in prompts:
+
+        async def one_stack(i: int) -> float:
             t0 = time.perf_counter()
-            async for response in stub.Generate(frontend_pb2.GenerateRequest(chat=chat, sampling_params=params)):
+            async for response in stub.Generate(frontend_pb2.GenerateRequest(chat=stack_prompts[i],
+                                                                               sampling_params=params)):
                 if response.token_ids:
-                    out.append(time.perf_counter() - t0)
-                    break
-    return out
+                    return time.perf_counter() - t0
+            raise RuntimeError("the stack answered a probe without a token")
 
-
-def probe_inprocess(new_core, prompt_ids: list[list[int]]) -> list[float]:
-    core = new_core()
-    out = []
-    for i, ids in enumerate(prompt_ids):
-        t0 = time.perf_counter()
-        core.add_request(EngineCoreRequest(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=1)))
-        while not any(o.new_token_ids for o in core.step()):
-            pass
-        out.append(time.perf_counter() - t0)
-        while core.has_unfinished():
-            core.step()
-    return out
+        for i in range(len(inprocess_ids)):
+            for side in (("inprocess", "stack") if i % 2 == 0 else ("stack", "inprocess")):
+                if side == "inprocess":
+                    placement.pin_self("engine")
+                    inprocess.append(one_inprocess(i))
+                else:
+                    placement.pin_self("client")
+                    stack.append(await one_stack(i))
+    return inprocess, stack
 
 
 def run_inprocess(new_core, prompt_ids: list[list[int]], max_tokens: int) -> dict:
@@ -474,13 +489,13 @@ def main(argv=None) -> int:
 
         if args.ttft_probes:
             wait_for_quiet(args.wait_quiet, log=log)
+            for warm_up in (True, False):
+                base = 900 if warm_up else 1000
+                inprocess_ids = token_ids(chats(base, args.ttft_probes))
+                times = aio.run(probe_both(stack.addr("frontend"), new_core, placement,
+                                           chats(base + 1, args.ttft_probes), inprocess_ids), args.event_loop)
+            probes = {"inprocess": median(times[0]), "stack": median(times[1])}
             for side in ("inprocess", "stack"):
-                placement.pin_self("engine" if side == "inprocess" else "client")
-                for warm_up in (True, False):
-                    prompts = chats((900 if warm_up else 1000) + (side == "stack"), args.ttft_probes)
-                    times = (probe_inprocess(new_core, token_ids(prompts)) if side == "inprocess"
-                             else aio.run(probe_stack(stack.addr("frontend"), prompts), args.event_loop))
-                probes[side] = median(times)
                 log(f"  isolated requests {side:9s}: TTFT median {probes[side] * 1000:8.1f} ms")
     finally:
         stack.stop()

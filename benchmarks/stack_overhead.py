@@ -276,7 +276,7 @@ async def run_stack(frontend_addr: str, prompts: list[tokenizer_pb2.ChatMessages
                     prompt_tokens = response.usage.prompt_tokens
             return {"sent": sent, "first": first, "last": last, "tokens": tokens, "prompt_tokens": prompt_tokens}
 
-        with measure_usage() as usage:
+        with measure_usage(sample_rss=False) as usage:
             t0 = time.perf_counter()
             results = await asyncio.gather(*(one(i, c) for i, c in enumerate(prompts)))
             t_end = max(r["last"] for r in results)
@@ -302,7 +302,7 @@ async def run_engine_direct(engine_addr: str, prompt_ids: list[list[int]], max_t
         call = stub.Session(inputs())
         index = {f"{tag}-{i}": i for i in range(n)}
         finished = 0
-        with measure_usage() as usage:
+        with measure_usage(sample_rss=False) as usage:
             t0 = time.perf_counter()
             sent = []
             for i, ids in enumerate(prompt_ids):
@@ -381,7 +381,7 @@ def run_inprocess(new_core, prompt_ids: list[list[int]], max_tokens: int) -> dic
     added = [0.0] * n
     first: list[float | None] = [None] * n
     tokens: list[list[int]] = [[] for _ in range(n)]
-    with measure_usage() as usage:
+    with measure_usage(sample_rss=False) as usage:
         t0 = time.perf_counter()
         for i, ids in enumerate(prompt_ids):
             core.add_request(EngineCoreRequest(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,

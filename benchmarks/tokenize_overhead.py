@@ -87,7 +87,7 @@ async def measure(args: argparse.Namespace, tokenizer_service: StackProcesses) -
                 fn = sides[side]
                 await asyncio.gather(*(fn(i) for i in range(args.prompts)))  # warm
                 server0 = tokenizer_service.cpu_seconds()["tokenizer"]
-                with measure_usage() as usage:
+                with measure_usage(sample_rss=False) as usage:
                     for _ in range(args.rounds):
                         got = await asyncio.gather(*(fn(i) for i in range(args.prompts)))
                         if got != expected:

@@ -579,14 +579,19 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::option
 
 }  // namespace
 
+// Every kernel runs without the GIL, as torch's own ops do: the engine service's gRPC
+// thread (taking in requests, sending the last step's outputs) runs while the core
+// thread is inside a kernel instead of waiting for it. Arguments are converted before
+// the GIL is released and results after it is taken back; no kernel touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged attention for single-token decodes");
-  m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection");
-  m.def("rope_and_cache_", &rope_and_cache_, "rotary on q and k in place; k and v written to the cache");
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, "paged attention for single-token decodes", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection", nogil);
+  m.def("rope_and_cache_", &rope_and_cache_, "rotary on q and k in place; k and v written to the cache", nogil);
 #if defined(__AVX512BF16__)
-  m.def("gemv_bf16", &gemv_bf16, "bf16 x W^T (+ bias) for one row x");
+  m.def("gemv_bf16", &gemv_bf16, "bf16 x W^T (+ bias) for one row x", nogil);
 #endif
-  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual)");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum", nogil);
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual)", nogil);
 }

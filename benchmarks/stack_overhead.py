@@ -52,7 +52,7 @@ Placement (--placement):
           the cost of the split itself. Needs at least 2 cores.
   shared  every process may run on every core: the engine's torch threads share the
           machine's cores with the client, the frontend and the tokenizer. On a small
-          machine their CPU (about 2.3 s per run on 2 cores) preempts one of the engine's
+          machine their CPU (about 1.8 s per run on 2 cores) preempts one of the engine's
           OpenMP threads and the other one spins at the next barrier, so this measures
           co-location on too few cores as much as the split.
 

@@ -8,6 +8,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def status_code(name: str, default: grpc.StatusCode) -> grpc.StatusCode:
+    """The gRPC status a RequestError.code names; `default` when it is empty, unknown or OK
+    (an error is never reported as OK)."""
+    code = getattr(grpc.StatusCode, name, None) if name else None
+    return code if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK else default
+
+
 async def is_serving(channel: grpc.aio.Channel, timeout: float = 2.0) -> bool:
     """True when the service behind `channel` answers SERVING (overall service ""); False otherwise."""
     stub = health_pb2_grpc.HealthStub(channel)

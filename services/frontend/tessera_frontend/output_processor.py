@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Optional
 import grpc
 
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
+from tessera_frontend.grpc_util import status_code
 from tessera_frontend.tokenizer_client import DetokenizeStreamError, TokenizerClient
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,7 @@ class Failure:
 
     @classmethod
     def from_proto(cls, error: common_pb2.RequestError, default: grpc.StatusCode) -> "Failure":
-        code = getattr(grpc.StatusCode, error.code, None) if error.code else None
-        if not isinstance(code, grpc.StatusCode) or code == grpc.StatusCode.OK:
-            code = default
+        code = status_code(error.code, default)
         return cls(code, error.message or code.name)
 
 

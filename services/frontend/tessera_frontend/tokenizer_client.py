@@ -30,7 +30,7 @@ import grpc
 
 from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tessera_frontend.grpc_util import drain, is_serving
+from tessera_frontend.grpc_util import drain, is_serving, status_code
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ class TokenizerClient:
         except asyncio.TimeoutError:
             raise TokenizeError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:g} s") from None
         if result.HasField("error"):
-            code = getattr(grpc.StatusCode, result.error.code, grpc.StatusCode.INTERNAL)
-            raise TokenizeError(code, result.error.message)
+            raise TokenizeError(status_code(result.error.code, grpc.StatusCode.INTERNAL), result.error.message)
         return result.response
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True,

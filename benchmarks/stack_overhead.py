@@ -70,6 +70,7 @@ import gc
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -141,13 +142,16 @@ class Placement:
     """Which cores the engines use and which the client, frontend and tokenizer use (None: any)."""
 
     def __init__(self, mode: str) -> None:
-        cpus = sorted(os.sched_getaffinity(0))
         self.mode = mode
         self.engine: list[int] | None = None
         self.others: list[int] | None = None
         if mode == "split":
+            if not hasattr(os, "sched_getaffinity") or shutil.which("taskset") is None:
+                raise SystemExit("--placement split needs Linux CPU affinity and taskset (util-linux); "
+                                 "use --placement shared")
+            cpus = sorted(os.sched_getaffinity(0))
             if len(cpus) < 2:
-                raise SystemExit("--placement split needs at least 2 cores")
+                raise SystemExit("--placement split needs at least 2 cores; use --placement shared")
             self.engine, self.others = cpus[:-1], cpus[-1:]
 
     def command(self, name: str, command: list[str]) -> list[str]:

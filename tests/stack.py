@@ -49,10 +49,22 @@ STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_TEST_STARTUP_TIMEOUT", "300"))
 LOG_TAIL_CHARS = 4000
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A loopback port nobody listens on now and that this process has not handed out before.
+
+    The kernel may give the same port to two bind(0) calls in a row once the first socket is
+    closed; two services of one stack on one port would leave one of them unbound (a metrics
+    server that cannot bind only logs it, so its URL would reach another service's gRPC)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def health_status(channel: grpc.Channel, service: str = "", timeout: float = 2.0) -> int:

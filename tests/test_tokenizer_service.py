@@ -12,7 +12,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tessera.v1 import tokenizer_pb2 as pb
 from tessera.v1 import tokenizer_pb2_grpc
 
+from stack import free_port
+
 HOST = "127.0.0.1"
 SERVICE = "tessera.v1.TokenizerService"
 MAX_INPUT_CHARS = 5000
 MAX_MESSAGES = 8
 STARTUP_TIMEOUT_S = 90
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def start_process(port: int, log_path: pathlib.Path, *args: str) -> subprocess.Popen:

@@ -44,6 +44,7 @@ log = logging.getLogger("tessera.engine")
 FAULT_ENV = "TESSERA_ENGINE_FAULT_AFTER_STEPS"  # test-only: the core loop raises after N steps
 LOOP_WATCH_S = 0.25  # how often the watcher checks that the core loop is alive
 _LOOP_DIED = object()  # put on every session queue when the core loop dies
+_INPUTS_ENDED = object()  # put on a session's queue when its client's inputs end
 
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
@@ -200,20 +201,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     self.loop_runner.abort_samples([(r.request_id, r.index) for r in msg.abort.samples])
 
         reader = asyncio.create_task(read_inputs())
+        # The reader's end (the client closed its side, or it failed) is one more item on the
+        # queue, so the loop below waits on the queue alone: no task and no wait() per message.
+        reader.add_done_callback(lambda _: q.put_nowait(_INPUTS_ENDED))
         try:
             while True:
-                get = asyncio.create_task(q.get())
-                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if get in done:
-                    item = get.result()
-                    if item is _LOOP_DIED:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                            f"engine core loop died: {self.loop_runner.error!r}")
-                    yield item
-                    continue
-                get.cancel()
-                reader.result()  # re-raise a reader failure
-                break  # the client closed its side
+                item = await q.get()
+                if item is _INPUTS_ENDED:
+                    reader.result()  # re-raise a reader failure
+                    break  # the client closed its side
+                if item is _LOOP_DIED:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"engine core loop died: {self.loop_runner.error!r}")
+                yield item
         finally:
             reader.cancel()
             self.sessions.pop(client_id, None)

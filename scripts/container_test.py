@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -305,9 +306,10 @@ def main() -> int:
         # the engine image carries its fused CPU kernels, built in the builder stage
         engine_log = run([*compose, "logs", "--no-color", "engine"], env=env, capture=True, quiet=True,
                          check=False).stdout
-        if "fused CPU kernels loaded" not in engine_log:
+        chosen = re.search(r'prebuilt variant chosen.*?"variant": "(\w+)"', engine_log)
+        if "fused CPU kernels loaded" not in engine_log or chosen is None:
             raise RuntimeError("the engine container did not load its prebuilt CPU kernels:\n" + engine_log[-3000:])
-        log("engine: fused CPU kernels loaded (prebuilt in the image)")
+        log(f"engine: fused CPU kernels loaded (prebuilt in the image; variant {chosen.group(1)} for this CPU)")
         stats = run(["docker", "stats", "--no-stream", "--format", "{{.Name}} cpu {{.CPUPerc}} mem {{.MemUsage}}"],
                     env=env, capture=True, quiet=True, check=False).stdout
         log("containers:\n" + stats.strip())

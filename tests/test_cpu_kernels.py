@@ -1,6 +1,11 @@
 """The fused CPU kernels (tessera_engine/csrc/cpu_kernels.cpp) against the torch ops they
 replace, in float32 and bfloat16; and the engine with them against the engine without
-them (TESSERA_CPU_KERNELS=0's path) on a small random Llama."""
+them (TESSERA_CPU_KERNELS=0's path) on a small random Llama.
+
+Each kernel is checked twice: in the build for this CPU (-march=native, its AVX-512
+paths here) and in the image's baseline variant ("generic", built by `--variants`:
+the scalar paths a CPU without AVX-512 runs). The variant choice is checked on
+/proc/cpuinfo flag sets of real CPU generations."""
 from __future__ import annotations
 
 import threading
@@ -21,6 +26,23 @@ pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels could not b
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(scope="session")
+def generic_kernels(tmp_path_factory):
+    """The baseline variant an image ships, built as `--variants` builds it and loaded as
+    TESSERA_CPU_KERNELS_PREBUILT=<dir> loads it."""
+    out = tmp_path_factory.mktemp("kernel-variants")
+    built = cpu_kernels.build_variants(out, ["generic"])
+    assert [p.name.split(".")[0] for p in built] == ["tessera_cpu_kernels_generic"]
+    module = cpu_kernels._load_prebuilt(str(out))
+    assert module.variant == "generic"
+    return module
+
+
+@pytest.fixture(params=["native", "generic"])
+def kernels(request):
+    return K if request.param == "native" else request.getfixturevalue("generic_kernels")
+
+
 def _ref_rms_norm(x, w, eps):
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -28,7 +50,7 @@ def _ref_rms_norm(x, w, eps):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 48)])
-def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, kernels):
     torch.manual_seed(0)
     bs, num_blocks, n = 16, 400, 11
     k_cache = torch.randn(num_blocks * bs, kv_heads, head_dim).to(dtype)
@@ -39,7 +61,7 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
     # q as the model passes it: a view of the fused projection (row stride > heads * head_dim)
     q = torch.randn(n, heads + 2 * kv_heads, head_dim).to(dtype)[:, :heads]
     scale = head_dim ** -0.5
-    out = K.decode_attention(q, k_cache, v_cache, tables, lens, scale, bs)
+    out = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale, bs)
     assert out.shape == (n, heads, head_dim) and out.dtype == dtype
     g = heads // kv_heads
     for i in range(n):
@@ -53,32 +75,32 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_fused_residual_add(dtype):
+def test_rms_norm_and_fused_residual_add(dtype, kernels):
     torch.manual_seed(1)
     x, res, w = torch.randn(13, 576).to(dtype), torch.randn(13, 576).to(dtype), torch.randn(576).to(dtype)
     exact = dtype == torch.bfloat16  # float32: summation order differs by an ulp
     tol = {} if exact else {"atol": 1e-5, "rtol": 1e-5}
-    torch.testing.assert_close(K.rms_norm(x, w, 1e-5), _ref_rms_norm(x, w, 1e-5), **(tol or {"atol": 0, "rtol": 0}))
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), _ref_rms_norm(x, w, 1e-5), **(tol or {"atol": 0, "rtol": 0}))
     res2 = res.clone()
-    out = K.add_rms_norm_(x, res2, w, 1e-5)
+    out = kernels.add_rms_norm_(x, res2, w, 1e-5)
     assert torch.equal(res2, res + x)  # the residual stream holds the rounded sum
     torch.testing.assert_close(out, _ref_rms_norm(res + x, w, 1e-5), **(tol or {"atol": 0, "rtol": 0}))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
+def test_silu_and_mul(dtype, kernels):
     torch.manual_seed(2)
     gu = (torch.randn(7, 2 * 1536) * 6).to(dtype)
     gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     ref = F.silu(gu[:, :1536]) * gu[:, 1536:]
     if dtype == torch.bfloat16:
-        assert torch.equal(K.silu_and_mul(gu), ref)
+        assert torch.equal(kernels.silu_and_mul(gu), ref)
     else:
-        torch.testing.assert_close(K.silu_and_mul(gu), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kernels.silu_and_mul(gu), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_cache_rotates_q_k_and_writes_the_cache(dtype):
+def test_rope_and_cache_rotates_q_k_and_writes_the_cache(dtype, kernels):
     torch.manual_seed(3)
     T, H, KVH, d = 9, 6, 2, 64
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
@@ -92,7 +114,7 @@ def test_rope_and_cache_rotates_q_k_and_writes_the_cache(dtype):
                               sin[pos].unsqueeze(1))
     v_ref = qkv[:, (H + KVH) * d:].view(T, KVH, d).clone()
     k_cache, v_cache = torch.zeros(64, KVH, d, dtype=dtype), torch.zeros(64, KVH, d, dtype=dtype)
-    K.rope_and_cache_(qkv, pos, cos, sin, k_cache, v_cache, slots, H, KVH, d)
+    kernels.rope_and_cache_(qkv, pos, cos, sin, k_cache, v_cache, slots, H, KVH, d)
     assert torch.equal(qkv[:, :H * d].view(T, H, d), ref[:, :H])
     assert torch.equal(k_cache[slots], ref[:, H:])
     assert torch.equal(v_cache[slots], v_ref)
@@ -102,7 +124,7 @@ def test_rope_and_cache_rotates_q_k_and_writes_the_cache(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_argmax_rows_matches_torch_ties_nan_and_inf(dtype):
+def test_argmax_rows_matches_torch_ties_nan_and_inf(dtype, kernels):
     torch.manual_seed(4)
     x = torch.randn(6, 49157).to(dtype)  # a width that is not a multiple of 16
     x[1, 9] = x[1, 20000] = x[1].max() + 1  # a tie: the first index wins
@@ -110,27 +132,27 @@ def test_argmax_rows_matches_torch_ties_nan_and_inf(dtype):
     x[2, 49156] = float("nan")
     x[3] = float("-inf")
     x[4, 49156] = 1e4  # the maximum in the scalar tail
-    assert torch.equal(K.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
-def test_bad_input_is_refused_with_a_clear_error():
+def test_bad_input_is_refused_with_a_clear_error(kernels):
     with pytest.raises(RuntimeError, match="unsupported dtype"):
-        K.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-5)
+        kernels.rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-5)
     with pytest.raises(RuntimeError, match="weight has 3 elements, rows have 4"):
-        K.rms_norm(torch.zeros(2, 4), torch.ones(3), 1e-5)
+        kernels.rms_norm(torch.zeros(2, 4), torch.ones(3), 1e-5)
     with pytest.raises(RuntimeError, match="residual and input shapes differ"):
-        K.add_rms_norm_(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(4), 1e-5)
+        kernels.add_rms_norm_(torch.zeros(2, 4), torch.zeros(3, 4), torch.ones(4), 1e-5)
     q, cache = torch.zeros(1, 2, 8), torch.zeros(16, 2, 8)
     with pytest.raises(RuntimeError, match="context length 17 does not fit its block table"):
-        K.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([17]), 1.0, 16)
+        kernels.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([17]), 1.0, 16)
     with pytest.raises(RuntimeError, match="one block table row and one context length per query"):
-        K.decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([1]), 1.0, 16)
+        kernels.decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([1]), 1.0, 16)
     with pytest.raises(RuntimeError, match="one position and one cache slot per token"):
-        K.rope_and_cache_(torch.zeros(2, 32), torch.zeros(1, dtype=torch.long), torch.zeros(4, 8),
-                          torch.zeros(4, 8), cache, cache, torch.zeros(2, dtype=torch.long), 2, 1, 8)
+        kernels.rope_and_cache_(torch.zeros(2, 32), torch.zeros(1, dtype=torch.long), torch.zeros(4, 8),
+                                torch.zeros(4, 8), cache, cache, torch.zeros(2, dtype=torch.long), 2, 1, 8)
     with pytest.raises(RuntimeError, match="int64"):
-        K.decode_attention(torch.zeros(1, 2, 8), torch.zeros(16, 2, 8), torch.zeros(16, 2, 8),
-                           torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.long), 1.0, 16)
+        kernels.decode_attention(torch.zeros(1, 2, 8), torch.zeros(16, 2, 8), torch.zeros(16, 2, 8),
+                                 torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.long), 1.0, 16)
 
 
 def test_kernels_run_without_the_gil():
@@ -238,3 +260,34 @@ def test_cpu_kernels_flag_and_env(monkeypatch):
         assert not cpu_kernels.enabled() and parse_args([]).cpu_kernels is False
     monkeypatch.setenv("TESSERA_CPU_KERNELS", "1")
     assert cpu_kernels.enabled()
+
+
+# /proc/cpuinfo flags (the instruction-set part) of a few CPU generations
+_HASWELL = frozenset("fpu sse sse2 pni ssse3 cx16 sse4_1 sse4_2 popcnt lahf_lm movbe xsave avx f16c fma "
+                     "abm bmi1 avx2 bmi2".split())
+_SKYLAKE_SP = _HASWELL | {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"}
+_SAPPHIRE_RAPIDS = _SKYLAKE_SP | {"avx512_bf16", "avx512_vnni", "amx_tile"}
+_NEHALEM = frozenset("fpu sse sse2 pni ssse3 cx16 sse4_1 sse4_2 popcnt lahf_lm".split())
+
+
+def test_prebuilt_variant_is_the_most_capable_this_cpu_runs():
+    every = cpu_kernels.buildable_variants("x86_64")
+    assert every == ["avx512bf16", "avx512", "avx2", "generic"]
+    choose = cpu_kernels.choose_variant
+    assert choose(every, _SAPPHIRE_RAPIDS) == "avx512bf16"
+    assert choose(every, _SKYLAKE_SP) == "avx512"  # AVX-512 without BF16 (most cloud Xeons)
+    assert choose(every, _HASWELL) == "avx2"
+    assert choose(every, _NEHALEM) == "generic"
+    assert choose(every, frozenset()) == "generic"  # no /proc/cpuinfo: the baseline
+    assert choose(["avx2"], _NEHALEM) is None  # nothing here runs on that CPU
+    assert choose(["avx2", "generic"], _SAPPHIRE_RAPIDS) == "avx2"
+    assert cpu_kernels.buildable_variants("aarch64") == ["generic"]  # no x86-64 levels there
+    # this machine: its own flags choose a variant it runs (the native build is what it runs now)
+    assert choose(every, cpu_kernels.cpu_flags()) in every
+
+
+def test_prebuilt_directory_without_a_runnable_variant_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "tessera_cpu_kernels_avx512bf16.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: _HASWELL)
+    with pytest.raises(RuntimeError, match="no build of the CPU kernels this CPU can run"):
+        cpu_kernels._load_prebuilt(str(tmp_path))

@@ -71,7 +71,6 @@ import json
 import os
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -87,6 +86,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (add_engine_flags, engine_config, environment, measure_usage, median, questions,  # noqa: E402
                     wait_for_quiet)
 
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tests.stack
+from tests.stack import free_port  # noqa: E402
 from tessera.common import aio  # noqa: E402
 from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
 from tessera.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
@@ -132,12 +133,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- the stack ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 class Placement:
     """Which cores the engines use and which the client, frontend and tokenizer use (None: any)."""
 
@@ -180,7 +175,7 @@ class StackProcesses:
     def __init__(self, args: argparse.Namespace, placement: Placement | None = None) -> None:
         self.placement = placement or Placement("shared")  # unpinned unless told
         self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="tessera-bench-"))
-        self.ports = {name: _free_port() for name in ("tokenizer", "engine", "frontend")}
+        self.ports = {name: free_port() for name in ("tokenizer", "engine", "frontend")}
         engine_flags = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
                         "--max-num-seqs", str(args.max_num_seqs),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens),

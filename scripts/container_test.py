@@ -29,7 +29,6 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,9 @@ import urllib.request
 import grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))
+from tests.stack import free_port  # noqa: E402  (never the same port twice)
+
 BUDGET_S = float(os.environ.get("TESSERA_CONTAINER_TEST_TIMEOUT", "1200"))
 KEEP = os.environ.get("TESSERA_CONTAINER_KEEP") == "1"
 BASE_TAG = "tessera-base:bookworm"
@@ -82,12 +84,6 @@ def run(cmd: list[str], *, env: dict | None = None, timeout: float | None = None
         tail = (proc.stdout or "")[-4000:] if out else ""
         raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")
     return proc
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def compose_binary() -> str:

@@ -291,3 +291,13 @@ def test_prebuilt_directory_without_a_runnable_variant_is_refused(tmp_path, monk
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: _HASWELL)
     with pytest.raises(RuntimeError, match="no build of the CPU kernels this CPU can run"):
         cpu_kernels._load_prebuilt(str(tmp_path))
+
+
+def test_variants_without_a_directory_is_a_usage_error():
+    import subprocess
+    import sys
+
+    for argv in (["--variants"], ["--variants", "--require"]):
+        done = subprocess.run([sys.executable, "-m", "tessera_engine.cpu_kernels", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "--variants needs the directory to build into" in done.stderr, done

@@ -193,7 +193,11 @@ if __name__ == "__main__":
     # --variants DIR: build every variant for this architecture into DIR (for
     # TESSERA_CPU_KERNELS_PREBUILT=DIR), then load the one this CPU would use, as a check
     if "--variants" in sys.argv:
-        out_dir = sys.argv[sys.argv.index("--variants") + 1]
+        at = sys.argv.index("--variants") + 1
+        if at >= len(sys.argv) or sys.argv[at].startswith("-"):
+            sys.exit("usage: python -m tessera_engine.cpu_kernels [--require] --variants DIR "
+                     "(--variants needs the directory to build into)")
+        out_dir = sys.argv[at]
         print("tessera CPU kernels: built", ", ".join(p.name for p in build_variants(out_dir)))
         os.environ["TESSERA_CPU_KERNELS_PREBUILT"] = out_dir
     mod = get()

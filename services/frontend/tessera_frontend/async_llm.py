@@ -1,4 +1,4 @@
-"""AsyncLLM: the frontend's engine facade (the seed's AsyncLLM).
+"""AsyncLLM: the frontend's engine facade (vLLM v1's AsyncLLM): tokenize, submit, stream outputs, abort.
 
 `generate(request_id, prompt, params)` tokenizes the prompt (chat messages through
 the model's chat template), builds the EngineRequest, submits it to a replica and
@@ -15,6 +15,10 @@ concurrent requests in one step.
 If the consumer goes away first (the call is cancelled or the generator is closed),
 the request is aborted in the engine and cancelled on the detokenize stream. Failures
 surface as `GenerateError(code, message)`.
+
+AsyncLLM wires the engine replicas' step outputs through the OutputProcessor and runs
+its delivery loop (vLLM's output handler); every processor call returns an
+`OutputProcessorOutput`, and AsyncLLM aborts what it names in the engine.
 
 Besides the field ranges the API layer checks (`validation`), generate() checks
 what needs the model: token ids inside the vocabulary, min_tokens <= max_tokens
@@ -38,7 +42,7 @@ import grpc
 
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend.engine_client import EngineCoreClient, NoReplicaError
-from tessera_frontend.output_processor import Failure, OutputProcessor, RequestState
+from tessera_frontend.output_processor import Failure, OutputProcessor, OutputProcessorOutput, RequestState
 from tessera_frontend.tokenizer_client import TokenizeError, TokenizerClient
 
 log = logging.getLogger(__name__)
@@ -95,17 +99,21 @@ class AsyncLLM:
         self.engine = engine
         self.stream_interval = stream_interval
         self._preparing = 0  # requests inside generate() not yet submitted (being tokenized)
-        self.processor = OutputProcessor(tokenizer, engine.abort, engine.abort_samples)
+        self.processor = OutputProcessor(tokenizer)
+        self._delivery: asyncio.Task | None = None
 
     def start(self) -> None:
         """Start the background tasks: the tokenizer streams, output delivery, the engine replicas."""
         self.tokenizer.start()
-        self.processor.start()
-        self.engine.start(self.processor.process_step, self._on_engine_lost)
+        self._delivery = asyncio.create_task(self._deliver_outputs(), name="output-delivery")
+        self.engine.start(self._on_engine_step, self._on_engine_lost)
 
     async def close(self) -> None:
         await self.engine.close()
-        await self.processor.close()
+        if self._delivery is not None:
+            self._delivery.cancel()
+            await asyncio.gather(self._delivery, return_exceptions=True)
+            self._delivery = None
         await self.tokenizer.close()
 
     @property
@@ -191,8 +199,7 @@ class AsyncLLM:
                 started.add(out.index)
                 yield gen
         finally:
-            if self.processor.release(engine_id):
-                self.engine.abort([engine_id])
+            self._abort_in_engine(self.processor.release(engine_id))
             # DEBUG: the API layer's "request finished" line is the request's INFO record of its end
             log.debug("request done" if finished == n else "request ended early",
                      extra={"request_id": request_id, "completion_tokens": completion_tokens,
@@ -266,8 +273,25 @@ class AsyncLLM:
             raise invalid(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                           f"exceeds the engine's KV cache ({cache} tokens)")
 
+    async def _on_engine_step(self, step: engine_pb2.EngineStepOutputs) -> None:
+        """An engine replica's step: send its tokens to the tokenizer (delivery follows in order);
+        hold the replica's reader while too many steps wait for the tokenizer."""
+        self._abort_in_engine(self.processor.process_step(step))
+        await self.processor.throttle()
+
+    async def _deliver_outputs(self) -> None:
+        """The delivery loop: each step's outputs to their requests, in the order the steps came."""
+        while True:
+            self._abort_in_engine(await self.processor.deliver_next())
+
     def _on_engine_lost(self, request_ids: list[str], reason: str) -> None:
-        self.processor.fail(request_ids, Failure(grpc.StatusCode.UNAVAILABLE, reason))
+        self._abort_in_engine(self.processor.fail(request_ids, Failure(grpc.StatusCode.UNAVAILABLE, reason)))
+
+    def _abort_in_engine(self, result: OutputProcessorOutput) -> None:
+        if result.reqs_to_abort:
+            self.engine.abort(result.reqs_to_abort)
+        if result.samples_to_abort:
+            self.engine.abort_samples(result.samples_to_abort)
 
 
 def _detokenize_open(params: common_pb2.SamplingParams, prompt_ids: list[int]) -> tokenizer_pb2.DetokenizeOpen:

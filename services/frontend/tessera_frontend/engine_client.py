@@ -1,10 +1,11 @@
-"""Client of the engine replicas (the seed's EngineCoreClient, async mode).
+"""Client of the engine replicas (vLLM v1's EngineCoreClient, async mode): one Session stream per replica.
 
 Each replica gets one `EngineReplica`: a supervisor task waits until the engine is
 SERVING, reads its EngineInfo, then opens the Session stream and keeps it open.
 New requests and aborts are written on that stream; every EngineStepOutputs that
-comes back is handed to the step handler (the OutputProcessor), which sends the
-step's new tokens to the tokenizer and fans the text out to the per-request queues.
+comes back is handed to the step handler (AsyncLLM's, through the OutputProcessor),
+which sends the step's new tokens to the tokenizer and fans the text out to the
+per-request queues.
 While the session is open the replica's health is checked every
 HEALTH_CHECK_INTERVAL_S; a replica that does not answer SERVING gets no new
 requests until it does again (its running requests go on).
@@ -110,11 +111,10 @@ class EngineReplica:
             self._outbox.put_nowait(engine_pb2.SessionInput(
                 abort=engine_pb2.AbortRequests(request_ids=request_ids)))
 
-    def abort_samples(self, samples: Sequence[tuple[str, int]]) -> None:
-        """Abort single samples (request id, index); the request's other samples run on."""
+    def abort_samples(self, samples: Sequence[engine_pb2.SampleRef]) -> None:
+        """Abort single samples; their requests' other samples run on."""
         if self._outbox is not None and samples:
-            self._outbox.put_nowait(engine_pb2.SessionInput(abort=engine_pb2.AbortRequests(
-                samples=[engine_pb2.SampleRef(request_id=r, index=i) for r, i in samples])))
+            self._outbox.put_nowait(engine_pb2.SessionInput(abort=engine_pb2.AbortRequests(samples=samples)))
 
     def _note_finished(self, step: engine_pb2.EngineStepOutputs) -> list[str]:
         """Count finished samples; return the request ids that are now complete."""
@@ -185,9 +185,6 @@ class EngineReplica:
             if serving != self.healthy:
                 log.warning("engine health changed", extra={"engine": self.addr, "serving": serving})
                 self.healthy = serving
-
-    async def get_stats(self) -> engine_pb2.EngineStats:
-        return await self.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -263,15 +260,15 @@ class EngineCoreClient:
         for replica, ids in by_replica.items():
             replica.abort(ids)
 
-    def abort_samples(self, samples: Iterable[tuple[str, int]]) -> None:
-        """Abort single samples (request id, index) where their requests run."""
-        by_replica: dict[EngineReplica, list[tuple[str, int]]] = {}
-        for request_id, index in samples:
-            replica = self._where.get(request_id)
+    def abort_samples(self, samples: Iterable[engine_pb2.SampleRef]) -> None:
+        """Abort single samples where their requests run."""
+        by_replica: dict[EngineReplica, list[engine_pb2.SampleRef]] = {}
+        for sample in samples:
+            replica = self._where.get(sample.request_id)
             if replica is not None:
-                by_replica.setdefault(replica, []).append((request_id, index))
-        for replica, keys in by_replica.items():
-            replica.abort_samples(keys)
+                by_replica.setdefault(replica, []).append(sample)
+        for replica, refs in by_replica.items():
+            replica.abort_samples(refs)
 
     def _forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:

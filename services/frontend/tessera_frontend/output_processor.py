@@ -1,4 +1,4 @@
-"""Engine step outputs -> per-request outputs (the seed's OutputProcessor).
+"""Engine step outputs -> detokenized per-request outputs (vLLM v1's OutputProcessor).
 
 For each EngineStepOutputs the processor sends the new token ids of every live
 sample in ONE DetokenizeStreamRequest and, once the tokenizer's reply is back,
@@ -6,24 +6,30 @@ puts a `SampleOutput` (text delta, token ids, logprobs, finish reason) on the
 queue of the request it belongs to.
 
 The two halves are pipelined: `process_step` sends a step's message at once and
-returns, so the engine streams are read on while a reply is pending; a single
-delivery task takes the replies in the order the messages were sent (the
-tokenizer answers in order), which keeps every request's outputs in order. At
-most MAX_PENDING_STEPS messages wait for replies; past that `process_step` waits.
+returns, so the engine streams are read on while a reply is pending; the caller's
+delivery loop calls `deliver_next`, which takes the replies in the order the
+messages were sent (the tokenizer answers in order) and so keeps every request's
+outputs in order. `throttle` holds the engine reader while more than
+MAX_PENDING_STEPS messages wait for replies.
+
+The processor never calls into the engine. Each of its entry points returns an
+`OutputProcessorOutput` naming what the caller must abort there (as vLLM's
+`process_outputs` returns `reqs_to_abort`), and AsyncLLM does the aborting.
 
 Each of a request's n samples is detokenized separately, under the key
 "<engine request id>#<index>". When the tokenizer reports a matched stop string, the
 sample finishes with STOP and that stop string; its tokens are cut to
-`tokens_consumed`; once every sample of the request is done the request is
-aborted in the engine if the engine is still running any of its samples; a sample
-that stops while its siblings run on is aborted alone (AbortRequests.samples).
+`tokens_consumed`; once every sample of the request is done the request is to be
+aborted in the engine if the engine is still running any of its samples
+(`reqs_to_abort`); a sample that stops while its siblings run on is to be aborted
+alone (`samples_to_abort`, sent as AbortRequests.samples).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import grpc
 
@@ -74,6 +80,17 @@ class SampleOutput:
 
 
 @dataclasses.dataclass
+class OutputProcessorOutput:
+    """What the caller must abort in the engine after a call into the processor.
+
+    `reqs_to_abort`: whole requests (every sample); `samples_to_abort`: single samples
+    of requests whose other samples run on.
+    """
+    reqs_to_abort: list[str] = dataclasses.field(default_factory=list)
+    samples_to_abort: list[engine_pb2.SampleRef] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class _Sample:
     """Book-keeping for one of a request's samples."""
     key: str                     # request id on the detokenize stream
@@ -107,25 +124,12 @@ class RequestState:
 class OutputProcessor:
     """Turns engine step outputs into per-request SampleOutputs via the detokenize stream."""
 
-    def __init__(self, tokenizer: TokenizerClient, abort_in_engine: Callable[[list[str]], None],
-                 abort_samples_in_engine: Callable[[list[tuple[str, int]]], None]) -> None:
+    def __init__(self, tokenizer: TokenizerClient) -> None:
         self._tokenizer = tokenizer
-        self._abort_in_engine = abort_in_engine
-        self._abort_samples_in_engine = abort_samples_in_engine
         self._requests: dict[str, RequestState] = {}
-        # Steps sent to the tokenizer, in order, waiting for their reply to be delivered.
-        self._pending: asyncio.Queue[_PendingStep] = asyncio.Queue(MAX_PENDING_STEPS)
-        self._delivery: asyncio.Task | None = None
-
-    def start(self) -> None:
-        """Start the delivery task (takes the tokenizer's replies in order)."""
-        self._delivery = asyncio.create_task(self._deliver_loop(), name="output-delivery")
-
-    async def close(self) -> None:
-        if self._delivery is not None:
-            self._delivery.cancel()
-            await asyncio.gather(self._delivery, return_exceptions=True)
-            self._delivery = None
+        # Steps sent to the tokenizer, in the order sent, waiting for their reply to be delivered.
+        self._pending: asyncio.Queue[_PendingStep] = asyncio.Queue()
+        self._step_taken = asyncio.Event()  # set whenever deliver_next takes a pending step
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -136,31 +140,39 @@ class OutputProcessor:
     def add_request(self, state: RequestState) -> None:
         self._requests[state.request_id] = state
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str) -> OutputProcessorOutput:
         """Forget a request (its consumer is gone); cancel its open detokenize states.
 
-        Returns True when the engine may still be running it (the caller aborts it there).
+        The request is in `reqs_to_abort` when the engine may still be running it.
         """
+        result = OutputProcessorOutput()
         state = self._requests.pop(request_id, None)
         if state is None:
-            return False
+            return result
         self._cancel_in_tokenizer(state.samples)
-        return state.engine_running
+        if state.engine_running:
+            result.reqs_to_abort.append(request_id)
+        return result
 
-    def fail(self, request_ids: Iterable[str], failure: Failure) -> None:
-        """Fail these requests (e.g. their engine stream broke): the consumer raises."""
+    def fail(self, request_ids: Iterable[str], failure: Failure) -> OutputProcessorOutput:
+        """Fail these requests, which the engine no longer runs (e.g. their engine stream broke):
+        the consumer raises."""
+        result = OutputProcessorOutput()
         for request_id in request_ids:
             state = self._requests.get(request_id)
             if state is not None:
                 for sample in state.samples:
                     sample.engine_done = True
-                self._deliver_failure(state, failure)
+                self._deliver_failure(state, failure, result)
+        return result
 
-    async def process_step(self, step: engine_pb2.EngineStepOutputs) -> None:
-        """Send one engine step's new tokens to the tokenizer (one message); delivery follows in order.
+    def process_step(self, step: engine_pb2.EngineStepOutputs) -> OutputProcessorOutput:
+        """Send one engine step's new tokens to the tokenizer (one message) and queue the step
+        for `deliver_next`; outputs that need no reply (failures) are delivered at once.
 
-        Returns without waiting for the tokenizer's reply unless MAX_PENDING_STEPS are pending.
+        Returns what to abort in the engine for the requests failed here.
         """
+        result = OutputProcessorOutput()
         entries: list[_Entry] = []
         items: list[tokenizer_pb2.DetokenizeItem] = []
         for output in step.outputs:
@@ -173,7 +185,7 @@ class OutputProcessor:
             finished = output.finish_reason != RUNNING
             sample.engine_done = sample.engine_done or finished
             if output.finish_reason == ERROR:
-                self._deliver_failure(state, Failure.from_proto(output.error, grpc.StatusCode.INTERNAL))
+                self._deliver_failure(state, Failure.from_proto(output.error, grpc.StatusCode.INTERNAL), result)
                 continue
             if sample.opened_in is None and not output.new_token_ids:
                 if finished:  # ended before any token (e.g. aborted while waiting)
@@ -186,34 +198,46 @@ class OutputProcessor:
                 sample.opened_in = self._tokenizer.stream.generation
             elif sample.opened_in != self._tokenizer.stream.generation:
                 self._deliver_failure(state, Failure(grpc.StatusCode.UNAVAILABLE,
-                                                     "the tokenizer restarted while the request ran"))
+                                                     "the tokenizer restarted while the request ran"), result)
                 continue
             items.append(item)
             entries.append(_Entry(state, sample, output, detokenized=True))
         if not entries:
-            return
+            return result
         reply: asyncio.Future | None = None
         if items:
             try:
                 reply = self._tokenizer.stream.send(items)
             except DetokenizeStreamError as exc:
                 for entry in entries:
-                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)))
-                return
-        await self._pending.put(_PendingStep(entries, reply, len(items)))
+                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)), result)
+                return result
+        self._pending.put_nowait(_PendingStep(entries, reply, len(items)))
+        return result
 
-    async def _deliver_loop(self) -> None:
-        while True:
-            pending = await self._pending.get()
-            try:
-                await self._deliver_step(pending)
-            except Exception as exc:  # a bug must not stop delivery for every other request
-                log.exception("output delivery failed")
-                for entry in pending.entries:
-                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.INTERNAL,
-                                                               f"internal error: {exc!r}"))
+    async def throttle(self) -> None:
+        """Wait while more than MAX_PENDING_STEPS steps wait for their tokenizer replies."""
+        while self._pending.qsize() > MAX_PENDING_STEPS:
+            self._step_taken.clear()
+            await self._step_taken.wait()
 
-    async def _deliver_step(self, pending: "_PendingStep") -> None:
+    async def deliver_next(self) -> OutputProcessorOutput:
+        """Wait for the oldest pending step's tokenizer reply and deliver its outputs to their
+        requests' queues; return what to abort in the engine (requests or samples that a stop
+        string ended, requests that failed)."""
+        pending = await self._pending.get()
+        self._step_taken.set()
+        result = OutputProcessorOutput()
+        try:
+            await self._deliver_step(pending, result)
+        except Exception as exc:  # a bug must not stop delivery for every other request
+            log.exception("output delivery failed")
+            for entry in pending.entries:
+                self._deliver_failure(entry.state, Failure(grpc.StatusCode.INTERNAL,
+                                                           f"internal error: {exc!r}"), result)
+        return result
+
+    async def _deliver_step(self, pending: "_PendingStep", result: OutputProcessorOutput) -> None:
         results: list[tokenizer_pb2.DetokenizeResult] = []
         if pending.reply is not None:
             try:
@@ -223,35 +247,36 @@ class OutputProcessor:
                         f"tokenizer answered {len(results)} results for {pending.num_items} items")
             except DetokenizeStreamError as exc:
                 for entry in pending.entries:
-                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)))
+                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)), result)
                 return
         texts = await self._token_texts(pending.entries)
         next_result = iter(results)
         for entry in pending.entries:
-            result = next(next_result) if entry.detokenized else None
+            detokenized = next(next_result) if entry.detokenized else None
             state, sample = entry.state, entry.sample
             if self._requests.get(state.request_id) is not state or sample.done:
                 continue  # released, failed or already stopped meanwhile
-            if result is None:
-                self._deliver(state, sample, self._sample_output(state, entry.output, "", [], [], texts))
+            if detokenized is None:
+                self._deliver(state, sample, self._sample_output(state, entry.output, "", [], [], texts), result)
             else:
-                self._deliver_result(state, sample, entry.output, result, texts)
+                self._deliver_detokenized(state, sample, entry.output, detokenized, texts, result)
 
-    def _deliver_result(self, state: RequestState, sample: _Sample, output: engine_pb2.RequestOutput,
-                        result: tokenizer_pb2.DetokenizeResult, texts: dict[int, str]) -> None:
-        if result.error.code:
+    def _deliver_detokenized(self, state: RequestState, sample: _Sample, output: engine_pb2.RequestOutput,
+                             detokenized: tokenizer_pb2.DetokenizeResult, texts: dict[int, str],
+                             result: OutputProcessorOutput) -> None:
+        if detokenized.error.code:
             sample.tokenizer_done = True
-            self._deliver_failure(state, Failure.from_proto(result.error, grpc.StatusCode.INTERNAL))
+            self._deliver_failure(state, Failure.from_proto(detokenized.error, grpc.StatusCode.INTERNAL), result)
             return
-        out = self._sample_output(state, output, result.text_delta, list(output.new_token_ids),
+        out = self._sample_output(state, output, detokenized.text_delta, list(output.new_token_ids),
                                   list(output.logprobs), texts)
-        if result.HasField("stop_matched"):
-            del out.token_ids[result.tokens_consumed:]
-            del out.logprobs[result.tokens_consumed:]
-            out.finish_reason, out.stop_reason, out.stop_token_id = STOP, result.stop_matched, None
-        if result.finished or output.finish_reason != RUNNING:
+        if detokenized.HasField("stop_matched"):
+            del out.token_ids[detokenized.tokens_consumed:]
+            del out.logprobs[detokenized.tokens_consumed:]
+            out.finish_reason, out.stop_reason, out.stop_token_id = STOP, detokenized.stop_matched, None
+        if detokenized.finished or output.finish_reason != RUNNING:
             sample.tokenizer_done = True  # the tokenizer forgets a request it reports or was told finished
-        self._deliver(state, sample, out)
+        self._deliver(state, sample, out, result)
 
     @staticmethod
     def _sample_output(state: RequestState, output: engine_pb2.RequestOutput, text: str,
@@ -271,7 +296,8 @@ class OutputProcessor:
             _fill_token_texts(out.prompt_logprobs or (), texts)
         return out
 
-    def _deliver(self, state: RequestState, sample: _Sample, out: SampleOutput) -> None:
+    def _deliver(self, state: RequestState, sample: _Sample, out: SampleOutput,
+                 result: OutputProcessorOutput) -> None:
         state.queue.put_nowait(out)
         if not out.finished:
             return
@@ -281,12 +307,12 @@ class OutputProcessor:
         if state.done:
             self._requests.pop(state.request_id, None)
             if state.engine_running:  # stopped by a stop string: free the engine's slots now
-                self._abort_in_engine([state.request_id])
+                result.reqs_to_abort.append(state.request_id)
         elif not sample.engine_done:  # one choice stopped by a stop string, others run on
             sample.engine_done = True
-            self._abort_samples_in_engine([(state.request_id, out.index)])
+            result.samples_to_abort.append(engine_pb2.SampleRef(request_id=state.request_id, index=out.index))
 
-    def _deliver_failure(self, state: RequestState, failure: Failure) -> None:
+    def _deliver_failure(self, state: RequestState, failure: Failure, result: OutputProcessorOutput) -> None:
         """Fail the whole request: its consumer raises on this output."""
         if self._requests.pop(state.request_id, None) is None:
             return
@@ -296,7 +322,7 @@ class OutputProcessor:
         for sample in state.samples:
             sample.done = True
         if state.engine_running:
-            self._abort_in_engine([state.request_id])
+            result.reqs_to_abort.append(state.request_id)
         state.queue.put_nowait(SampleOutput(index=0, finish_reason=ERROR, failure=failure))
 
     def _cancel_in_tokenizer(self, samples: Iterable[_Sample]) -> None:

@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health.
 
+This module is the HTTP side: routes, admission, generation plumbing, server-sent
+events, disconnects and error statuses. The response bodies and stream chunks are
+built by `openai_formatters`.
+
 A request goes: body parsed (pydantic; a bad body is 400 naming the field) ->
 messages / prompts and sampling parameters translated and range-checked (400) ->
 frontend ready (else 503 after AsyncLLM's short wait) and model known (else 404)
@@ -36,8 +40,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.v1 import common_pb2
 from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
-from tessera_frontend.async_llm import AsyncLLM, GenerateError, GenerationOutput, Prompt
+from tessera_frontend.async_llm import AsyncLLM, GenerateError, Prompt
 from tessera_frontend.metrics import REQUESTS, RequestTracker, record_rejected
+from tessera_frontend.openai_formatters import (ChatFormatter, CompletionFormatter, Formatter, IndexedOutput,
+                                                Usage)
 from tessera_frontend.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_messages,
                                               completion_prompts, openai_param, sampling_params,
                                               validation_error_param)
@@ -46,15 +52,10 @@ from tessera_frontend.validation import Limits, ValidationError, validate_reques
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
                 grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-
-Indexed = tuple[int, GenerationOutput]  # (choice index across the request's prompts, output)
 
 
 class ClientGone(Exception):
@@ -175,7 +176,7 @@ class OpenAIApi:
                                      formatter=CompletionFormatter(body, request_id, model), tracker=tracker)
 
     async def _serve(self, request: Request, body, request_id: str, model: str, prompts: Sequence[Prompt],
-                     params: common_pb2.SamplingParams, default_max_tokens: int | None, formatter: "Formatter",
+                     params: common_pb2.SamplingParams, default_max_tokens: int | None, formatter: Formatter,
                      tracker: RequestTracker):
         """Answer the request; `tracker` is finished here for a whole response, by the stream's close for a stream."""
         try:
@@ -231,14 +232,14 @@ async def _tracked(tracker: RequestTracker):
 # -- generation plumbing ------------------------------------------------------------------------
 async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt],
                         params: common_pb2.SamplingParams, priority: int, default_max_tokens: int | None,
-                        n: int, tracker: RequestTracker) -> AsyncIterator[Indexed]:
+                        n: int, tracker: RequestTracker) -> AsyncIterator[IndexedOutput]:
     """Every prompt's outputs, interleaved as they come, each with its choice index (and told to `tracker`)."""
     if len(prompts) == 1:
         async with contextlib.aclosing(llm.generate(request_id, prompts[0], params, priority,
                                                     default_max_tokens)) as outputs:
             async for out in outputs:
                 tracker.on_output(out.index, len(out.token_ids), out.usage)
-                yield out.index, out
+                yield IndexedOutput(out.index, out)
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -248,7 +249,7 @@ async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt
             async with contextlib.aclosing(llm.generate(f"{request_id}-{i}", prompt, params, priority,
                                                         default_max_tokens)) as outputs:
                 async for out in outputs:
-                    queue.put_nowait((i * n + out.index, out))
+                    queue.put_nowait(IndexedOutput(i * n + out.index, out))
             queue.put_nowait(done)
         except Exception as exc:  # GenerateError and anything else ends the whole request
             queue.put_nowait(exc)
@@ -263,7 +264,7 @@ async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt
             elif isinstance(item, Exception):
                 raise item
             else:
-                tracker.on_output(item[0], len(item[1].token_ids), item[1].usage)
+                tracker.on_output(item.index, len(item.output.token_ids), item.output.usage)
                 yield item
     finally:
         for task in tasks:
@@ -271,7 +272,7 @@ async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _first_output(outputs: AsyncIterator[Indexed], body) -> Indexed:
+async def _first_output(outputs: AsyncIterator[IndexedOutput], body) -> IndexedOutput:
     try:
         return await outputs.__anext__()
     except GenerateError as exc:
@@ -280,14 +281,14 @@ async def _first_output(outputs: AsyncIterator[Indexed], body) -> Indexed:
         raise ApiError(500, "the request produced no output") from None
 
 
-async def _collect(outputs: AsyncIterator[Indexed], body) -> list[Indexed]:
+async def _collect(outputs: AsyncIterator[IndexedOutput], body) -> list[IndexedOutput]:
     try:
         return [item async for item in outputs]
     except GenerateError as exc:
         raise _from_generate_error(exc, body) from None
 
 
-async def _close(outputs: AsyncIterator[Indexed], ticket: Ticket) -> None:
+async def _close(outputs: AsyncIterator[IndexedOutput], ticket: Ticket) -> None:
     """Close the generators (aborting whatever still runs) and give the admission slots back."""
     try:
         await outputs.aclose()
@@ -371,18 +372,17 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _events(formatter: "Formatter", first: Indexed, outputs: AsyncIterator[Indexed],
+async def _events(formatter: Formatter, first: IndexedOutput, outputs: AsyncIterator[IndexedOutput],
                   body, status: dict) -> AsyncIterator[str]:
     """The stream's events; `status["code"]` is set to how it ended (200, or an error's HTTP status)."""
     usage = Usage()
     try:
         for chunk in formatter.stream_start():
             yield _sse(chunk)
-        item: Indexed | None = first
+        item: IndexedOutput | None = first
         while item is not None:
-            index, out = item
-            usage.add(out)
-            for chunk in formatter.stream_chunks(index, out):
+            usage.add(item.output)
+            for chunk in formatter.stream_chunks(item.index, item.output):
                 yield _sse(chunk)
             item = await anext(outputs, None)
         if body.include_usage:
@@ -393,195 +393,3 @@ async def _events(formatter: "Formatter", first: Indexed, outputs: AsyncIterator
         status["code"] = error.status
         yield _sse(error.body())
     yield "data: [DONE]\n\n"
-
-
-# -- response shapes ------------------------------------------------------------------------------
-class Usage:
-    """Token counts summed over the request's prompts (each prompt's last output carries its usage)."""
-
-    def __init__(self) -> None:
-        self.prompt = self.completion = self.cached = 0
-
-    def add(self, out: GenerationOutput) -> None:
-        if out.usage is not None:
-            self.prompt += out.usage.prompt_tokens
-            self.completion += out.usage.completion_tokens
-            self.cached += out.usage.cached_prompt_tokens
-
-    def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-                "total_tokens": self.prompt + self.completion,
-                "prompt_tokens_details": {"cached_tokens": self.cached}}
-
-
-class _Choice:
-    """One choice accumulated over its outputs (non-streamed responses)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.logprobs: list[common_pb2.PositionLogprobs] = []
-        self.prompt_logprobs: list[common_pb2.PositionLogprobs] | None = None
-        self.finish: GenerationOutput | None = None
-
-    def add(self, out: GenerationOutput) -> None:
-        self.text += out.text
-        self.logprobs.extend(out.logprobs)
-        if out.prompt_logprobs:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish = out
-
-
-def _finish_fields(out: GenerationOutput | None) -> dict:
-    """finish_reason, and vLLM's stop_reason: the stop string or stop token id that ended it."""
-    if out is None or not out.finished:
-        return {"finish_reason": None, "stop_reason": None}
-    stop_reason = out.stop_reason if out.stop_reason is not None else out.stop_token_id
-    return {"finish_reason": _FINISH.get(out.finish_reason, "stop"), "stop_reason": stop_reason}
-
-
-def _logprob(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
-
-
-def _prompt_logprobs_json(positions: list[common_pb2.PositionLogprobs] | None) -> list | None:
-    """vLLM's shape: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}."""
-    if positions is None:
-        return None
-    out: list = []
-    for position in positions:
-        if not position.HasField("chosen"):
-            out.append(None)
-            continue
-        entry = {}
-        for lp in (position.chosen, *position.top):
-            entry[str(lp.token_id)] = {"logprob": _logprob(lp.logprob), "rank": lp.rank,
-                                       "decoded_token": lp.token}
-        out.append(entry)
-    return out
-
-
-class Formatter:
-    """Builds one endpoint's response bodies and stream chunks."""
-
-    object_name = ""   # of a whole response
-    chunk_object = ""  # of a stream chunk
-    id_prefix = ""
-
-    def __init__(self, body, request_id: str, model: str) -> None:
-        self.body = body
-        self.id = f"{self.id_prefix}{request_id}"
-        self.model = model
-        self.created = int(time.time())
-
-    def _envelope(self, choices: list[dict], obj: str | None = None) -> dict:
-        return {"id": self.id, "object": obj or self.object_name, "created": self.created,
-                "model": self.model, "choices": choices}
-
-    def response(self, outputs: list[Indexed], num_choices: int) -> dict:
-        choices = [_Choice() for _ in range(num_choices)]
-        usage = Usage()
-        for index, out in outputs:
-            choices[index].add(out)
-            usage.add(out)
-        body = self._envelope([self.choice_json(i, c) for i, c in enumerate(choices)])
-        body["usage"] = usage.as_dict()
-        return body
-
-    def usage_chunk(self, usage: dict) -> dict:
-        chunk = self._envelope([], self.chunk_object)
-        chunk["usage"] = usage
-        return chunk
-
-    def _chunk(self, choice: dict) -> dict:
-        chunk = self._envelope([choice], self.chunk_object)
-        if self.body.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def stream_start(self) -> list[dict]:
-        return []
-
-    def choice_json(self, index: int, choice: _Choice) -> dict:
-        raise NotImplementedError
-
-    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
-        raise NotImplementedError
-
-
-class ChatFormatter(Formatter):
-    object_name = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-    id_prefix = "chatcmpl-"
-
-    def _logprobs(self, positions: list[common_pb2.PositionLogprobs]) -> dict | None:
-        if not self.body.logprobs:
-            return None
-        top_n = self.body.top_logprobs or 0
-
-        def entry(lp: common_pb2.TokenLogprob) -> dict:
-            return {"token": lp.token, "logprob": _logprob(lp.logprob), "bytes": list(lp.token.encode())}
-
-        return {"content": [{**entry(p.chosen), "top_logprobs": [entry(t) for t in p.top[:top_n]]}
-                            for p in positions]}
-
-    def choice_json(self, index: int, choice: _Choice) -> dict:
-        out = {"index": index, "message": {"role": "assistant", "content": choice.text},
-               "logprobs": self._logprobs(choice.logprobs), **_finish_fields(choice.finish)}
-        if self.body.prompt_logprobs is not None:
-            out["prompt_logprobs"] = _prompt_logprobs_json(choice.prompt_logprobs)
-        return out
-
-    def stream_start(self) -> list[dict]:
-        num_choices = self.body.n or 1
-        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}) for i in range(num_choices)]
-
-    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
-        if not (out.text or out.finished or (self.body.logprobs and out.logprobs)):
-            return []  # tokens whose text is still held back (a partial UTF-8 character)
-        choice = {"index": index, "delta": {"content": out.text} if out.text or not out.finished else {},
-                  "logprobs": self._logprobs(out.logprobs), **_finish_fields(out)}
-        return [self._chunk(choice)]
-
-
-class CompletionFormatter(Formatter):
-    object_name = "text_completion"
-    chunk_object = "text_completion"
-    id_prefix = "cmpl-"
-
-    def __init__(self, body, request_id: str, model: str) -> None:
-        super().__init__(body, request_id, model)
-        self._offsets: dict[int, int] = {}  # per choice: characters streamed so far (text_offset)
-
-    def _logprobs(self, positions: list[common_pb2.PositionLogprobs], offset: int = 0) -> dict | None:
-        if self.body.logprobs is None:
-            return None
-        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        for position in positions:
-            chosen = position.chosen
-            tokens.append(chosen.token)
-            token_logprobs.append(_logprob(chosen.logprob))
-            top = {chosen.token: _logprob(chosen.logprob)}
-            for lp in position.top[:self.body.logprobs]:
-                top.setdefault(lp.token, _logprob(lp.logprob))
-            top_logprobs.append(top)
-            text_offset.append(offset)
-            offset += len(chosen.token)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": text_offset}
-
-    def choice_json(self, index: int, choice: _Choice) -> dict:
-        out = {"index": index, "text": choice.text, "logprobs": self._logprobs(choice.logprobs),
-               **_finish_fields(choice.finish)}
-        if self.body.prompt_logprobs is not None:
-            out["prompt_logprobs"] = _prompt_logprobs_json(choice.prompt_logprobs)
-        return out
-
-    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
-        if not (out.text or out.finished or (self.body.logprobs is not None and out.logprobs)):
-            return []
-        offset = self._offsets.get(index, 0)
-        self._offsets[index] = offset + sum(len(p.chosen.token) for p in out.logprobs)
-        return [self._chunk({"index": index, "text": out.text, "logprobs": self._logprobs(out.logprobs, offset),
-                             **_finish_fields(out)})]

@@ -97,6 +97,39 @@ def test_validate_rejects_bad_roles_and_ids():
         validate_request(frontend_pb2.GenerateRequest(request_id="a\nb", text="hi"), LIMITS)
 
 
+def test_chat_roles_are_the_tokenizers():
+    # One contract: every role the tokenizer's chat template takes passes the frontend, over gRPC
+    # and HTTP, and no other does.
+    from tessera_frontend import openai_protocol
+    from tessera_tokenizer.tokenizer import CHAT_ROLES as TOKENIZER_ROLES
+    from tessera_frontend.validation import CHAT_ROLES
+
+    assert set(CHAT_ROLES) == set(TOKENIZER_ROLES)
+    messages = [tokenizer_pb2.ChatMessage(role=role, content=f"{role} text") for role in TOKENIZER_ROLES]
+    validate_request(frontend_pb2.GenerateRequest(chat=tokenizer_pb2.ChatMessages(messages=messages)), LIMITS)
+
+    body = openai_protocol.ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "Sunny"}]},
+    ])
+    assert body.messages[3].tool_call_id == "call_1"
+    chat = openai_protocol.chat_messages(body)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief."), ("user", "Weather in Paris?"), ("assistant", ""), ("tool", "Sunny")]
+
+    bad = openai_protocol.ChatCompletionRequest(messages=[{"role": "function", "content": "x"}])
+    with pytest.raises(openai_protocol.ApiError) as info:
+        openai_protocol.chat_messages(bad)
+    assert info.value.status == 400 and info.value.param == "messages[0].role"
+    assert "tool" in info.value.message
+    with pytest.raises(openai_protocol.ApiError) as info:  # a tool message says what the tool answered
+        openai_protocol.chat_messages(openai_protocol.ChatCompletionRequest(
+            messages=[{"role": "tool", "tool_call_id": "call_1"}]))
+    assert info.value.param == "messages[0].content"
+
+
 def _expect_invalid(call, field: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         call()

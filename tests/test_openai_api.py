@@ -286,12 +286,22 @@ CHAT_ERRORS = [
     ("stop_token_ids", dict(extra_body={"stop_token_ids": [10 ** 8]})),
     ("messages", dict(messages=[])),
     ("messages[0].role", dict(messages=[{"role": "robot", "content": "hi"}])),
-    ("messages[1].role", dict(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}])),
+    ("messages[1].role", dict(messages=[{"role": "user", "content": "hi"}, {"role": "function", "content": "x"}])),
     ("messages[0].content", dict(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])),
     ("messages[0].content", dict(messages=[{"role": "user"}])),
     ("temperature", dict(temperature="hot")),
 ]
+
+
+def test_chat_accepts_tool_messages(client, model):
+    # The tool role (with OpenAI's tool_call_id) is taken, as the tokenizer's chat template takes it.
+    messages = [*user("What is the weather in Paris?"),
+                {"role": "assistant", "content": "Let me look that up."},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.0)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert response.usage.prompt_tokens > 0
 
 
 @pytest.mark.parametrize("param,kwargs", CHAT_ERRORS, ids=[f"{p}-{i}" for i, (p, _) in enumerate(CHAT_ERRORS)])

@@ -96,6 +96,9 @@ class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    # A `tool` message's answer to an assistant tool call. Accepted as OpenAI's schema has it;
+    # the chat template gets role and content only (tessera.v1.ChatMessage carries no more).
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -190,14 +193,15 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
 
 
 def chat_messages(body: ChatCompletionRequest) -> tokenizer_pb2.ChatMessages:
-    """The messages as tessera ChatMessages: text content only; `developer` is a system message."""
+    """The messages as tessera ChatMessages: text content only; `developer` is a system message;
+    roles are those the tokenizer's chat template takes (system, user, assistant, tool)."""
     if not body.messages:
         raise ApiError(400, "messages: must contain at least one message", param="messages")
     out = tokenizer_pb2.ChatMessages()
     for i, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role
         if role not in CHAT_ROLES:
-            raise ApiError(400, f"messages[{i}].role: must be system, developer, user or assistant "
+            raise ApiError(400, f"messages[{i}].role: must be one of developer, {', '.join(CHAT_ROLES)} "
                                 f"(got {message.role!r})", param=f"messages[{i}].role")
         content = message.content
         if content is None:

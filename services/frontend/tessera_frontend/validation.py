@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from tessera.v1 import common_pb2, frontend_pb2, tokenizer_pb2
 
-CHAT_ROLES = ("system", "user", "assistant")
+# The roles the tokenizer's chat template accepts (tessera_tokenizer.tokenizer.CHAT_ROLES).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_CHARS = 256
 
 
@@ -53,9 +55,8 @@ def validate_request(request: frontend_pb2.GenerateRequest, limits: Limits) -> N
     if which == "chat":
         problem = chat_problem(request.chat)
         if problem is not None:
-            index, what = problem
-            where = "chat.messages" if index is None else f"chat.messages[{index}]"
-            raise ValidationError("prompt", f"{where}: {what}")
+            where = "chat.messages" if problem.index is None else f"chat.messages[{problem.index}]"
+            raise ValidationError("prompt", f"{where}: {problem.message}")
     if which == "token_ids" and not request.token_ids.ids:
         raise ValidationError("prompt", "token_ids is empty")
     validate_sampling_params(request.sampling_params, limits)
@@ -69,13 +70,19 @@ def validate_request_id(request_id: str) -> None:
         raise ValidationError("request_id", "must be printable characters")
 
 
-def chat_problem(chat: tokenizer_pb2.ChatMessages) -> tuple[int | None, str] | None:
-    """What is wrong with the chat messages, if anything: (message index or None, problem)."""
+class ChatProblem(NamedTuple):
+    """What is wrong with chat messages: the message's index (None: the list as a whole) and why."""
+    index: int | None
+    message: str
+
+
+def chat_problem(chat: tokenizer_pb2.ChatMessages) -> ChatProblem | None:
+    """What is wrong with the chat messages, if anything."""
     if not chat.messages:
-        return None, "must contain at least one message"
+        return ChatProblem(None, "must contain at least one message")
     for i, message in enumerate(chat.messages):
         if message.role not in CHAT_ROLES:
-            return i, f"role must be system, user or assistant (got {message.role!r})"
+            return ChatProblem(i, f"role must be one of {', '.join(CHAT_ROLES)} (got {message.role!r})")
     return None
 
 

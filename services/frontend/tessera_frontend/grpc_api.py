@@ -25,8 +25,6 @@ from tessera_frontend.async_llm import AsyncLLM, GenerateError, GenerationOutput
 from tessera_frontend.metrics import RequestTracker, grpc_tracker, record_rejected
 from tessera_frontend.validation import Limits, ValidationError, validate_request, validate_request_id
 
-__all__ = ["FrontendServicer", "Limits", "ValidationError", "validate_request"]
-
 log = logging.getLogger(__name__)
 
 

@@ -84,8 +84,9 @@ async def system_resolve(host: str, port: int) -> list[str]:
     except ValueError:
         pass
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    v4 = [info[4][0] for info in infos if info[0] == socket.AF_INET]
-    v6 = [info[4][0] for info in infos if info[0] == socket.AF_INET6]
+    # getaddrinfo's entries: (family, type, proto, canonname, sockaddr); sockaddr starts with the IP.
+    v4 = [sockaddr[0] for family, _, _, _, sockaddr in infos if family == socket.AF_INET]
+    v6 = [sockaddr[0] for family, _, _, _, sockaddr in infos if family == socket.AF_INET6]
     return [format_addr(ip, port) for ip in dict.fromkeys(v4 or v6)]
 
 

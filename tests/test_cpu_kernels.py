@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from tessera_engine import cpu_kernels
-from tessera_engine.models.llama import apply_rotary_signed
+from tessera_engine.models.rotary import apply_rotary_signed
 
 from engine_fixtures import tiny_hf_llama, tiny_loaded
 
-K = cpu_kernels.get()
+K = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels could not be built here")
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -196,7 +196,7 @@ def test_kernels_run_without_the_gil():
 
 
 @pytest.mark.parametrize("dtype", ["float32"])
-def test_engine_with_kernels_equals_engine_with_torch_ops(dtype, monkeypatch):
+def test_engine_with_kernels_equals_engine_with_torch_ops(dtype):
     """The same greedy tokens with the fused kernels and with the plain torch ops (a mixed
     batch: prefills, chunked prefill and decodes in one step). float32 only: in bfloat16
     the kernel keeps attention probabilities in float32 where the torch path rounds them,
@@ -212,11 +212,10 @@ def test_engine_with_kernels_equals_engine_with_torch_ops(dtype, monkeypatch):
                for n in (3, 40, 17, 90, 5, 64)]
 
     def run(kernels_on: bool) -> list[list[int]]:
-        monkeypatch.setattr(cpu_kernels, "enabled", lambda: kernels_on)
-        cpu_kernels._state.clear()
         core = EngineCore(EngineConfig(model="tiny", dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=48,
-                                       block_size=16), tiny_loaded(cfg, hf, dtype=tdtype))
-        assert (core.executor.runner.kernels is not None) == kernels_on
+                                       block_size=16, cpu_kernels=kernels_on), tiny_loaded(cfg, hf, dtype=tdtype))
+        assert core.executor.runner.ops.name == ("cpu_kernels" if kernels_on else "torch")
+        assert core.executor.runner.attention.name == ("cpu_kernels" if kernels_on else "torch")
         for i, p in enumerate(prompts):
             core.add_request(EngineCoreRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=24,
                                                                           ignore_eos=True)))
@@ -226,10 +225,7 @@ def test_engine_with_kernels_equals_engine_with_torch_ops(dtype, monkeypatch):
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
         return [out[f"r{i}"] for i in range(len(prompts))]
 
-    try:
-        with_kernels, without = run(True), run(False)
-    finally:
-        cpu_kernels._state.clear()
+    with_kernels, without = run(True), run(False)
     assert all(len(t) == 24 for t in with_kernels)
     assert with_kernels == without
 
@@ -250,16 +246,18 @@ def test_gemv_bf16_matches_float32_reference(n, k, bias):
 
 
 def test_cpu_kernels_flag_and_env(monkeypatch):
-    from tessera_engine.server import parse_args
+    """--cpu-kernels (env TESSERA_CPU_KERNELS) reaches EngineConfig; nothing else reads the env."""
+    from tessera_engine.server import config_from_args, parse_args
 
     monkeypatch.delenv("TESSERA_CPU_KERNELS", raising=False)
-    assert parse_args([]).cpu_kernels is True and cpu_kernels.enabled()
-    assert parse_args(["--cpu-kernels", "false"]).cpu_kernels is False
+    monkeypatch.delenv("TESSERA_CPU_KERNELS_PREBUILT", raising=False)
+    assert config_from_args(parse_args([])).cpu_kernels is True
+    assert config_from_args(parse_args(["--cpu-kernels", "false"])).cpu_kernels is False
     for off in ("0", "false", "OFF", "no"):
         monkeypatch.setenv("TESSERA_CPU_KERNELS", off)
-        assert not cpu_kernels.enabled() and parse_args([]).cpu_kernels is False
-    monkeypatch.setenv("TESSERA_CPU_KERNELS", "1")
-    assert cpu_kernels.enabled()
+        assert config_from_args(parse_args([])).cpu_kernels is False
+    monkeypatch.setenv("TESSERA_CPU_KERNELS_PREBUILT", "/opt/k")
+    assert config_from_args(parse_args([])).cpu_kernels_prebuilt == "/opt/k"
 
 
 # /proc/cpuinfo flags (the instruction-set part) of a few CPU generations

@@ -9,6 +9,7 @@ import torch
 
 from tessera_engine.config import EngineConfig
 from tessera_engine.kv_cache import KVCacheManager
+from tessera_engine.model_runner import ModelRunnerOutput
 from tessera_engine.request import EngineCoreRequest, Request
 from tessera_engine.sampler import Sampler
 from tessera_engine.sampling_params import SamplingParams
@@ -113,7 +114,7 @@ def make_scheduler(num_blocks=100, block_size=4, **cfg) -> Scheduler:
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
     sampled = {x.request.key: token for x in out.scheduled if x.samples}
-    s.update_after_step(out, sampled)
+    s.update_from_output(out, ModelRunnerOutput(sampled, {}, {}))
     return out
 
 
@@ -243,3 +244,21 @@ def test_seeded_rows_ignore_batch_mates():
     others = [make_req(f"o{i}", 3, temperature=1.0) for i in range(3)]
     mixed = Sampler(100, torch.device("cpu"))(batch, others + [b]).token_ids[3]
     assert alone[0] == mixed
+
+
+# -- dtype -----------------------------------------------------------------------------------
+def test_auto_dtype_is_bf16_where_the_cpu_computes_it_natively(monkeypatch):
+    from tessera_engine import cpu_kernels
+
+    cfg = EngineConfig(device="cpu")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    dtype, why = cfg.dtype_choice()
+    assert dtype == torch.bfloat16 and "avx512_bf16" in why
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    assert cfg.resolved_dtype() == torch.bfloat16
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx2"}))
+    dtype, why = cfg.dtype_choice()
+    assert dtype == torch.float32 and "no native bfloat16" in why
+    assert EngineConfig(device="cpu", dtype="float32").dtype_choice() == (torch.float32, "set by --dtype")
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        EngineConfig(dtype="int8").resolved_dtype()

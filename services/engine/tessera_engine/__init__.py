@@ -1,1 +1,1 @@
-"""tessera engine core: the seed's EngineCore (scheduler + executor) and its gRPC server."""
+"""tessera engine core: a scheduler over a paged KV cache, a model runner, and their gRPC server."""

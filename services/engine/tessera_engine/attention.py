@@ -1,37 +1,55 @@
-"""Paged attention over the flat KV cache, behind one small interface.
+"""Paged attention over the flat KV cache: two backends, each building its own metadata.
 
 The cache of a layer is two tensors [num_blocks * block_size, num_kv_heads,
 head_dim]; token t of a request lives in slot block_table[t // bs] * bs + t % bs.
 A step's tokens are flattened: the first `num_decodes` are single-token decodes,
 the rest are prefill chunks.
 
-Everything that depends only on the step (not on the layer) is built once per
-step by the model runner and shared by all layers through AttentionMetadata:
+The model runner picks one backend per engine and asks it, once per step, for the
+AttentionMetadata every layer shares; each layer's PagedAttention hands its q/k/v and
+that metadata back to the same backend.
 
-- decodes, on CPU with the fused kernels (tessera_engine.cpu_kernels): the block
-  tables and context lengths; the kernel reads K/V from the cache blocks in
-  place, float32 scores and softmax, one pass per (request, KV head).
-- decodes otherwise: the cache rows of every request's padded context, head-major
-  ([D * KVH * L], L = the longest context rounded up to whole blocks) and an
-  additive mask [D, 1, 1, L] (0 = attend, -inf = padding). Per layer, K/V are
-  gathered with one index_select each straight into [D, KVH, L, d], and the
-  query heads that share a KV head are folded into the query length; with one
-  query row per head, two batched matmuls and a float32 softmax are several
-  times faster on CPU than SDPA's flash kernel.
-- prefill chunks are padded into groups of similar context length and attended
-  with one SDPA call per group: queries gathered from the flat batch, keys and
-  values gathered from the cache (already holding this step's K/V) straight
-  into [N, KVH, Lk, d], with a causal + length mask; so a chunk that continues
-  a request (chunked prefill, prefix-cache hit) sees its cached context.
-GQA is handled by SDPA's enable_gqa. torch's scaled_dot_product_attention picks
-the kernel: its CPU flash kernel on CPU, flash / memory-efficient on CUDA.
+- TorchAttention (any device). Decodes: the cache rows of every request's padded
+  context, head-major ([D * KVH * L], L = the longest context rounded up to whole
+  blocks) and an additive mask [D, 1, 1, L] (0 = attend, -inf = padding). Per layer,
+  K/V are gathered with one index_select each straight into [D, KVH, L, d], and the
+  query heads that share a KV head are folded into the query length; with one query
+  row per head, two batched matmuls and a float32 softmax are several times faster on
+  CPU than SDPA's flash kernel. Rotary embedding and the K/V write are torch ops.
+- CpuKernelAttention (CPU, tessera_engine.cpu_kernels): decodes read K/V from the cache
+  blocks in place given the block tables and context lengths (float32 scores and
+  softmax, one pass per (request, KV head)); rotary and the K/V write are one fused
+  kernel that indexes the whole cos/sin tables by position.
+- Prefill chunks, both backends: padded into groups of similar context length and
+  attended with one SDPA call per group: queries gathered from the flat batch, keys
+  and values gathered from the cache (already holding this step's K/V) straight into
+  [N, KVH, Lk, d], with a causal + length mask; so a chunk that continues a request
+  (chunked prefill, prefix-cache hit) sees its cached context. GQA is handled by SDPA's
+  enable_gqa; torch picks the kernel (flash on CPU, flash / memory-efficient on CUDA).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from tessera_engine.models.rotary import apply_rotary_signed
+
+
+class DecodeEntry(NamedTuple):
+    """A single-token decode: its request's block table and its context length (incl. the token)."""
+    block_table: list[int]
+    context_len: int
+
+
+class PrefillChunk(NamedTuple):
+    """A prefill chunk: positions [start, end) of a request, at row q_start of the flat batch."""
+    q_start: int
+    start: int
+    end: int
+    block_table: list[int]
 
 
 @dataclasses.dataclass
@@ -44,7 +62,7 @@ class PrefillGroup:
     """
     q_gather: torch.Tensor  # [N * Lq] flat token rows of the padded queries (padding repeats a real row)
     kv_rows: torch.Tensor   # [N * KVH * Lk] rows of the cache seen as [slots * KVH, d], head-major
-    valid: torch.Tensor     # [n] rows of the padded [N * Lq] queries that are real tokens
+    valid: torch.Tensor | None  # [n] rows of the padded [N * Lq] queries that are real tokens
     out_rows: torch.Tensor  # [n] flat token rows those outputs go to
     bias: torch.Tensor | None  # [N, 1, Lq, Lk] additive mask; None = plain causal (one chunk, nothing cached)
     num: int
@@ -53,77 +71,219 @@ class PrefillGroup:
 
 
 @dataclasses.dataclass
+class TorchDecodeMetadata:
+    rows: torch.Tensor   # [D * KVH * L] rows of the cache seen as [slots * KVH, d], each decode's padded context
+    bias: torch.Tensor   # [D, 1, 1, L] float32 additive mask, 0 = attend
+    length: int          # L
+
+
+@dataclasses.dataclass
+class KernelDecodeMetadata:
+    block_tables: torch.Tensor   # [D, max blocks] int64, padded with block 0
+    context_lens: torch.Tensor   # [D] int64
+
+
+@dataclasses.dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor          # [T] where each new token's K/V is written
+    """What every layer's attention needs for one step, built once by the backend."""
+    slot_mapping: torch.Tensor   # [T] where each new token's K/V is written
+    positions: torch.Tensor      # [T] int64
     num_decodes: int
-    # [D * KVH * L] rows of the cache seen as [slots * KVH, d]: each decode's padded context, head-major
-    decode_rows: torch.Tensor | None = None
-    decode_bias: torch.Tensor | None = None   # [D, 1, 1, L] float32 additive mask, 0 = attend
-    decode_len: int = 0                       # L
-    # fused CPU kernel path (decode_rows/decode_bias unused): [D, max blocks] int64, [D] int64
-    decode_block_tables: torch.Tensor | None = None
-    decode_context_lens: torch.Tensor | None = None
-    # fused CPU kernels (tessera_engine.cpu_kernels) for this step, or None: torch ops
-    kernels: object | None = None
-    positions: torch.Tensor | None = None     # [T] int64, for the fused rotary kernel
-    prefill_groups: list[PrefillGroup] = dataclasses.field(default_factory=list)
+    decode: TorchDecodeMetadata | KernelDecodeMetadata | None
+    prefill_groups: list[PrefillGroup]
 
 
-class PagedAttention:
-    """Writes the step's K/V into the cache and attends over each request's context."""
+class TorchAttention:
+    """Attention in torch ops, on any device (see the module doc)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
-        self.head_dim = head_dim
+    name = "torch"
+
+    def __init__(self, block_size: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
-        self.scale = head_dim ** -0.5
+        self.num_kv_heads = num_kv_heads
+        self.dtype = dtype
+        self.device = device
+        self._arange_bs = torch.arange(block_size, device=device)
+        self._arange_kvh = torch.arange(num_kv_heads, device=device).view(1, -1, 1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] → [T, H * D]."""
+    # -- metadata, once per step -------------------------------------------------
+    def build_metadata(self, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                       decodes: list[DecodeEntry], chunks: list[PrefillChunk]) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping, positions, len(decodes),
+                                 self._decode_metadata(decodes) if decodes else None,
+                                 self._group_prefills(chunks))
+
+    def _decode_metadata(self, decodes: list[DecodeEntry]):
+        bs, dev = self.block_size, self.device
+        max_blocks = -(-max(d.context_len for d in decodes) // bs)
+        L = max_blocks * bs
+        rows = self._table_rows([d.block_table for d in decodes], max_blocks)
+        lens = torch.tensor([d.context_len for d in decodes], device=dev)
+        valid = torch.arange(L, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        return TorchDecodeMetadata(rows, self._bias(valid, torch.float32).view(len(decodes), 1, 1, L), L)
+
+    def _bias(self, valid: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """bool mask (True = attend) -> additive mask (default: the model's dtype)."""
+        dtype = dtype or self.dtype
+        zero = torch.zeros((), dtype=dtype, device=self.device)
+        return torch.where(valid, zero, torch.full((), float("-inf"), dtype=dtype, device=self.device))
+
+    def _table_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """Cache rows ([slots * KVH, d] view), head-major, of the first num_blocks blocks of each
+        table (short tables padded with block 0, masked by the caller) -> [N * KVH * L]."""
+        bs = self.block_size
+        rows = [t[:num_blocks] + [0] * (num_blocks - len(t)) if len(t) < num_blocks else t[:num_blocks]
+                for t in tables]
+        tab = torch.tensor(rows, dtype=torch.long, device=self.device)
+        slots = (tab.unsqueeze(2) * bs + self._arange_bs).view(len(tables), 1, num_blocks * bs)
+        return (slots * self.num_kv_heads + self._arange_kvh).view(-1)
+
+    def _group_prefills(self, chunks: list[PrefillChunk]) -> list[PrefillGroup]:
+        """Pad prefill chunks of similar context length into groups attended by one SDPA call.
+
+        Chunks are sorted by context length and a group grows while padding stays
+        under about a quarter of its keys.
+        """
+        if not chunks:
+            return []
+        bs = self.block_size
+        groups: list[list[PrefillChunk]] = []
+        cur: list[PrefillChunk] = []
+        total = 0
+        for c in sorted(chunks, key=lambda c: c.end):
+            if cur and (len(cur) + 1) * c.end > 1.25 * (total + c.end) + 2 * bs:
+                groups.append(cur)
+                cur, total = [], 0
+            cur.append(c)
+            total += c.end
+        groups.append(cur)
+        return [self._prefill_group_metadata(grp) for grp in groups]
+
+    def _prefill_group_metadata(self, grp: list[PrefillChunk]) -> PrefillGroup:
+        dev, bs = self.device, self.block_size
+        N = len(grp)
+        q_lens = [c.end - c.start for c in grp]
+        Lq = max(q_lens)
+        num_blocks = -(-max(c.end for c in grp) // bs)
+        Lk = num_blocks * bs
+        kv_rows = self._table_rows([c.block_table for c in grp], num_blocks)
+        if N == 1 and grp[0].start == 0:  # one chunk, nothing cached before it: plain causal
+            q0, end = grp[0].q_start, grp[0].end
+            rows = torch.arange(q0, q0 + end, device=dev)
+            kv_rows = kv_rows.view(self.num_kv_heads, Lk)[:, :end].reshape(-1)
+            return PrefillGroup(rows, kv_rows, None, rows, None, 1, end, end)
+        q_starts = torch.tensor([c.q_start for c in grp], device=dev).unsqueeze(1)
+        starts = torch.tensor([c.start for c in grp], device=dev).view(N, 1, 1)
+        ends = torch.tensor([c.end for c in grp], device=dev).view(N, 1, 1)
+        lens = torch.tensor(q_lens, device=dev).unsqueeze(1)
+        ar = torch.arange(Lq, device=dev).unsqueeze(0)
+        q_gather = (q_starts + torch.minimum(ar, lens - 1)).view(-1)
+        in_chunk = ar < lens                                                  # [N, Lq]
+        valid = torch.arange(N * Lq, device=dev).view(N, Lq)[in_chunk]
+        out_rows = (q_starts + ar)[in_chunk]
+        kpos = torch.arange(Lk, device=dev).view(1, 1, Lk)
+        qpos = starts + torch.arange(Lq, device=dev).view(1, Lq, 1)         # [N, Lq, 1]
+        allowed = (kpos <= qpos) & (kpos < ends)                             # [N, Lq, Lk]
+        return PrefillGroup(q_gather, kv_rows, valid, out_rows, self._bias(allowed).unsqueeze(1), N, Lq, Lk)
+
+    # -- per layer ----------------------------------------------------------------
+    def rotary_tables(self, rotary, dtype: torch.dtype, positions: torch.Tensor):
+        """cos and sign-folded sin for this step's positions ([T, 1, dim])."""
+        return rotary(positions, dtype)
+
+    def rope_and_cache(self, layer: "PagedAttention", qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Rotary on q and k, k and v written to the cache; returns q [T, H, d]."""
+        T = qkv.shape[0]
+        H, KVH, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        qk, v = qkv.split([(H + KVH) * d, KVH * d], dim=-1)
+        # rotate q and k together: one set of elementwise ops for both
+        qk = apply_rotary_signed(qk.view(T, H + KVH, d), cos, sin)
+        k_cache.index_copy_(0, meta.slot_mapping, qk[:, H:])
+        v_cache.index_copy_(0, meta.slot_mapping, v.view(T, KVH, d))
+        return qk[:, :H]
+
+    def forward(self, layer: "PagedAttention", q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D] (the cache already holds this step's K/V) -> [T, H * D]."""
         T = q.shape[0]
-        if k is not None:  # (None: the fused rotary kernel wrote them)
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+        width = layer.num_heads * layer.head_dim
         nd = meta.num_decodes
         if nd == T:  # decode-only step: no output assembly
-            return self._decode(q, k_cache, v_cache, meta).view(T, self.num_heads * self.head_dim)
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+            return self._decode(layer, q, k_cache, v_cache, meta.decode).view(T, width)
+        out = torch.empty(T, layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            out[:nd] = self._decode(layer, q[:nd], k_cache, v_cache, meta.decode)
         for grp in meta.prefill_groups:
-            out[grp.out_rows] = self._prefill_group(q, k_cache, v_cache, grp)
-        return out.view(T, self.num_heads * self.head_dim)
+            out[grp.out_rows] = self._prefill_group(layer, q, k_cache, v_cache, grp)
+        return out.view(T, width)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, layer, q, k_cache, v_cache, dm: TorchDecodeMetadata) -> torch.Tensor:
         nd = q.shape[0]
-        if meta.decode_block_tables is not None:
-            return meta.kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_context_lens, self.scale, self.block_size)
-        kvh, g, d, L = self.num_kv_heads, self.group, self.head_dim, meta.decode_len
+        kvh, g, d, L = layer.num_kv_heads, layer.group, layer.head_dim, dm.length
         # gather straight into [D, KVH, L, d] (contiguous) from the cache seen as [slots * KVH, d]
-        kc = k_cache.view(-1, d).index_select(0, meta.decode_rows).view(nd, kvh, L, d)
-        vc = v_cache.view(-1, d).index_select(0, meta.decode_rows).view(nd, kvh, L, d)
+        kc = k_cache.view(-1, d).index_select(0, dm.rows).view(nd, kvh, L, d)
+        vc = v_cache.view(-1, d).index_select(0, dm.rows).view(nd, kvh, L, d)
         # the query heads of one KV head share its keys: fold them into the query length
         qg = q.reshape(nd, kvh, g, d)
         # one query row per head: plain batched matmuls beat the flash kernel here
         # scores in float32 (bf16 scores lose too much); probabilities back in the cache dtype
         scores = torch.matmul(qg.float(), kc.float().transpose(-1, -2))   # [D, KVH, g, L]
-        scores.mul_(self.scale).add_(meta.decode_bias)
+        scores.mul_(layer.scale).add_(dm.bias)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, vc).reshape(nd, self.num_heads, d)
+        return torch.matmul(probs, vc).reshape(nd, layer.num_heads, d)
 
-    def _prefill_group(self, q, k_cache, v_cache, grp: PrefillGroup) -> torch.Tensor:
-        n, Lq, Lk, d = grp.num, grp.q_len, grp.kv_len, self.head_dim
-        qp = q.index_select(0, grp.q_gather).view(n, Lq, self.num_heads, d).transpose(1, 2)
-        kp = k_cache.view(-1, d).index_select(0, grp.kv_rows).view(n, self.num_kv_heads, Lk, d)
-        vp = v_cache.view(-1, d).index_select(0, grp.kv_rows).view(n, self.num_kv_heads, Lk, d)
-        gqa = self.group > 1
+    def _prefill_group(self, layer, q, k_cache, v_cache, grp: PrefillGroup) -> torch.Tensor:
+        n, Lq, Lk, d = grp.num, grp.q_len, grp.kv_len, layer.head_dim
+        qp = q.index_select(0, grp.q_gather).view(n, Lq, layer.num_heads, d).transpose(1, 2)
+        kp = k_cache.view(-1, d).index_select(0, grp.kv_rows).view(n, layer.num_kv_heads, Lk, d)
+        vp = v_cache.view(-1, d).index_select(0, grp.kv_rows).view(n, layer.num_kv_heads, Lk, d)
+        gqa = layer.group > 1
         if grp.bias is None:
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=layer.scale, enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=grp.bias, scale=self.scale, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(n * Lq, self.num_heads, d)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=grp.bias, scale=layer.scale, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(n * Lq, layer.num_heads, d)
         return o if grp.valid is None else o.index_select(0, grp.valid)
+
+
+class CpuKernelAttention(TorchAttention):
+    """Decodes and the rotary + K/V write in tessera's fused CPU kernels; prefill as TorchAttention."""
+
+    name = "cpu_kernels"
+
+    def __init__(self, kernels, block_size: int, num_kv_heads: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__(block_size, num_kv_heads, dtype, device)
+        self.kernels = kernels
+
+    def _decode_metadata(self, decodes: list[DecodeEntry]) -> KernelDecodeMetadata:
+        max_blocks = max(len(d.block_table) for d in decodes)
+        return KernelDecodeMetadata(
+            torch.tensor([d.block_table + [0] * (max_blocks - len(d.block_table)) for d in decodes],
+                         dtype=torch.long),
+            torch.tensor([d.context_len for d in decodes], dtype=torch.long))
+
+    def rotary_tables(self, rotary, dtype: torch.dtype, positions: torch.Tensor):
+        """The whole tables: the fused kernel indexes them by position itself."""
+        return rotary.tables(dtype)
+
+    def rope_and_cache(self, layer, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        self.kernels.rope_and_cache_(qkv, meta.positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                     layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        return qkv[:, :layer.num_heads * layer.head_dim].view(qkv.shape[0], layer.num_heads, layer.head_dim)
+
+    def _decode(self, layer, q, k_cache, v_cache, dm: KernelDecodeMetadata) -> torch.Tensor:
+        return self.kernels.decode_attention(q, k_cache, v_cache, dm.block_tables, dm.context_lens,
+                                             layer.scale, self.block_size)
+
+
+class PagedAttention:
+    """One layer's attention geometry; the work is the backend's (set once by the model runner)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5

@@ -6,11 +6,16 @@ import dataclasses
 import torch
 
 
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
 @dataclasses.dataclass
 class EngineConfig:
     # model
     model: str | None = None          # HF directory or GGUF file; None = the embedded default
-    dtype: str = "auto"                # auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16
+    dtype: str = "auto"                # auto (see dtype_choice), float32, bfloat16, float16
     device: str = "auto"               # auto (cuda when present), cpu, cuda
     max_model_len: int | None = None   # default: the model's max_position_embeddings
     # cache
@@ -29,6 +34,9 @@ class EngineConfig:
     # misc
     seed: int = 0
     num_threads: int | None = None     # torch CPU threads; None = torch's default
+    # CPU: tessera's fused C++ kernels (attention, norms, rotary, GEMV), else plain torch ops
+    cpu_kernels: bool = True
+    cpu_kernels_prebuilt: str | None = None  # load them from this module file / variants directory
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -36,13 +44,24 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
-        try:
-            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[self.dtype]
-        except KeyError:
-            raise ValueError(f"unknown dtype {self.dtype!r}") from None
+        return self.dtype_choice()[0]
+
+    def dtype_choice(self) -> tuple[torch.dtype, str]:
+        """The dtype the model runs in, and why. auto, as vLLM chooses: bf16 on CUDA and on a
+        CPU that computes bf16 natively (avx512_bf16 or amx_bf16), float32 on other CPUs."""
+        if self.dtype != "auto":
+            try:
+                return _DTYPES[self.dtype], "set by --dtype"
+            except KeyError:
+                raise ValueError(f"unknown dtype {self.dtype!r}") from None
+        if self.resolved_device().type == "cuda":
+            return torch.bfloat16, "auto: bfloat16 on CUDA"
+        from tessera_engine.cpu_kernels import cpu_flags
+
+        native = sorted(_CPU_BF16_FLAGS & cpu_flags())
+        if native:
+            return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({', '.join(native)})"
+        return torch.float32, "auto: float32, this CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
 
     def validate(self) -> None:
         if self.block_size < 1:

@@ -1,14 +1,15 @@
-"""EngineCore (the seed's): a Scheduler and an Executor, stepped by a run loop.
+"""EngineCore: a Scheduler and an Executor, stepped by a run loop.
 
 EngineCore is synchronous and has no gRPC in it: tests and benchmarks drive it
-in-process with add_request / step. EngineCoreLoop runs it on its own thread:
-each iteration takes in new requests and aborts, schedules, executes and hands
-the step's outputs to a callback (the gRPC server's fan-out), so a slow client
-never blocks a step.
+in-process with add_request / step. One step is one way: the scheduler's
+SchedulerOutput goes to the executor, whose ModelRunnerOutput goes back to the
+scheduler's update_from_output, which returns the step's EngineCoreOutputs.
+EngineCoreLoop runs it on its own thread: each iteration takes in new requests
+and aborts, steps, and hands the outputs to a callback (the gRPC server's
+fan-out), so a slow client never blocks a step.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -19,7 +20,9 @@ from tessera_engine.config import EngineConfig
 from tessera_engine.executor import Executor
 from tessera_engine.kv_cache import KVCacheManager
 from tessera_engine.models.loader import LoadedModel
-from tessera_engine.request import EngineCoreRequest, Request, RequestStatus
+from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, EngineStats, IterationStats,
+                                    RequestError)
+from tessera_engine.request import EngineCoreRequest, Request, SampleKey
 from tessera_engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -33,61 +36,11 @@ class RequestRejected(Exception):
         self.code = code
         self.message = message
 
-
-@dataclasses.dataclass
-class EngineCoreOutput:
-    """One sample's progress in one step (maps onto tessera.v1.RequestOutput)."""
-    request_id: str
-    index: int
-    client_id: str
-    new_token_ids: list[int]
-    logprobs: list[tuple] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list | None = None
-    finish_reason: str | None = None  # stop, length, abort, error
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: tuple[str, str] | None = None  # (code, message)
-    timing: "RequestTiming | None" = None  # set on a finished sample's last output
-
-
-@dataclasses.dataclass
-class RequestTiming:
-    """A finished sample's timestamps (unix seconds; None when it never got there) and
-    token count: the raw material of the request metrics and the 'request finished' log line."""
-    queued: float
-    scheduled: float | None
-    first_token: float | None
-    last_token: float | None
-    finished: float
-    num_generation_tokens: int
-
-
-@dataclasses.dataclass
-class IterationStats:
-    """What one engine step did (one record per step that ran; the metrics' per-step input)."""
-    step: int
-    duration_s: float           # schedule + execute + outputs, wall clock
-    num_batched_tokens: int     # tokens the model computed this step (prefill chunks + decodes)
-    num_prompt_tokens: int      # prompt lengths of the samples that got their first token
-    num_generation_tokens: int  # tokens sampled (= new_token_ids emitted) this step
-    num_preempted: int
-
-
-@dataclasses.dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks_total: int
-    num_blocks_free: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    kv_cache_usage: float
-
-
-_FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-           RequestStatus.FINISHED_ABORTED: "abort"}
+    def output(self, req: EngineCoreRequest) -> EngineCoreOutput:
+        """The refused request's one output: finished with this error."""
+        return EngineCoreOutput(req.request_id, 0, req.client_id, [], finish_reason="error",
+                                num_prompt_tokens=len(req.prompt_token_ids),
+                                error=RequestError(self.code, self.message))
 
 
 class EngineCore:
@@ -104,7 +57,6 @@ class EngineCore:
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
         self.step_count = 0
-        self.last_iteration: IterationStats | None = None  # the latest step() that ran, else None
 
     # -- intake ----------------------------------------------------------------
     def check_request(self, req: EngineCoreRequest) -> None:
@@ -142,17 +94,11 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort every sample of these requests."""
         wanted = set(request_ids)
-        return self.abort_samples([key for key in self.scheduler.requests if key[0] in wanted])
+        return self.scheduler.abort([key for key in self.scheduler.requests if key.request_id in wanted])
 
-    def abort_samples(self, keys: list[tuple[str, int]]) -> list[EngineCoreOutput]:
-        """Abort single samples, (request_id, index); unknown or finished ones are ignored."""
-        outs = []
-        for key in keys:
-            req = self.scheduler.requests.get(key)
-            if req is not None:
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                outs.append(self._output(req, []))
-        return outs
+    def abort_samples(self, keys: list[SampleKey]) -> list[EngineCoreOutput]:
+        """Abort single samples; unknown or finished ones are ignored."""
+        return self.scheduler.abort(keys)
 
     def abort_client(self, client_id: str) -> list[EngineCoreOutput]:
         ids = {r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id}
@@ -162,52 +108,22 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def run_step(self) -> EngineCoreOutputs:
+        """schedule -> execute -> update_from_output; iteration is None when nothing was scheduled."""
         started = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
-            self.last_iteration = None
-            return []
+            return EngineCoreOutputs([])
         result = self.executor.execute_model(sched)
-        for key, entries in result.prompt_logprobs.items():
-            self.scheduler.requests[key].prompt_logprobs.extend(entries)
-        self.scheduler.update_after_step(sched, result.sampled)
+        outs, num_prompt_tokens = self.scheduler.update_from_output(sched, result)
         self.step_count += 1
-        now = time.time()
-        num_prompt_tokens = 0
-        outs = []
-        for s in sched.scheduled:
-            req = s.request
-            token = result.sampled.get(req.key)
-            if token is None:
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = now
-                num_prompt_tokens += req.num_prompt_tokens
-            req.last_token_time = now
-            out = self._output(req, [token], now)
-            lp = result.logprobs.get(req.key)
-            if lp is not None:
-                out.logprobs = [lp]
-            if not req.prompt_logprobs_done:
-                out.prompt_logprobs = req.prompt_logprobs
-                req.prompt_logprobs_done = True
-            outs.append(out)
-        self.last_iteration = IterationStats(self.step_count, time.perf_counter() - started,
-                                             sched.num_batched_tokens, num_prompt_tokens, len(outs),
-                                             len(sched.preempted))
-        return outs
+        return EngineCoreOutputs(outs, IterationStats(
+            self.step_count, time.perf_counter() - started, sched.num_batched_tokens, num_prompt_tokens,
+            len(outs), len(sched.preempted)))
 
-    def _output(self, req: Request, tokens: list[int], now: float | None = None) -> EngineCoreOutput:
-        out = EngineCoreOutput(
-            request_id=req.request_id, index=req.index, client_id=req.client_id,
-            new_token_ids=tokens, finish_reason=_FINISH.get(req.status),
-            stop_token_id=req.stop_token_id, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0))
-        if out.finish_reason is not None:
-            out.timing = RequestTiming(req.queued_time, req.first_scheduled_time, req.first_token_time,
-                                       req.last_token_time, now or time.time(), req.num_output_tokens)
-        return out
+    def step(self) -> list[EngineCoreOutput]:
+        """One step's outputs (run_step without its stats)."""
+        return self.run_step().outputs
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats()
@@ -216,20 +132,20 @@ class EngineCore:
                            self.scheduler.num_preemptions, kv.usage)
 
     # -- in-process convenience (tests, benchmarks) -------------------------------
-    def generate(self, requests: list[EngineCoreRequest]) -> dict[tuple, list[int]]:
+    def generate(self, requests: list[EngineCoreRequest]) -> dict[SampleKey, list[int]]:
         """Run the given requests to completion; returns (request_id, index) -> output token ids."""
         for r in requests:
             self.add_request(r)
-        tokens: dict[tuple, list[int]] = {}
+        tokens: dict[SampleKey, list[int]] = {}
         while self.has_unfinished():
             for out in self.step():
-                tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+                tokens.setdefault(SampleKey(out.request_id, out.index), []).extend(out.new_token_ids)
         return tokens
 
 
-# (step count, outputs, scheduler stats after the step, the step's IterationStats or None when
-# no step ran, e.g. after an abort). Called on the core thread; keep it short.
-OutputCallback = Callable[[int, list[EngineCoreOutput], EngineStats, "IterationStats | None"], None]
+# (outputs, scheduler stats after the step, the step's IterationStats or None when no step ran,
+# e.g. after an abort). Called on the core thread; keep it short.
+OutputCallback = Callable[[list[EngineCoreOutput], EngineStats, "IterationStats | None"], None]
 
 
 IDLE_BATCH_GAP_S = 0.001  # idle start: inputs this close together belong to one burst
@@ -248,12 +164,9 @@ class EngineCoreLoop:
     arrivals come before the frontend knows of the rest). A running engine never waits.
     """
 
-    def __init__(self, core: EngineCore, on_outputs: OutputCallback,
-                 fault_after_steps: int | None = None) -> None:
+    def __init__(self, core: EngineCore, on_outputs: OutputCallback) -> None:
         self.core = core
         self.on_outputs = on_outputs
-        # Test-only fault injection: the loop raises instead of running step N+1.
-        self.fault_after_steps = fault_after_steps
         self.inputs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self.run_loop, name="engine-core", daemon=True)
         self.stopped = False
@@ -281,7 +194,7 @@ class EngineCoreLoop:
         """The sender's hint after its adds: more requests are on their way (see the class doc)."""
         self.inputs.put(("more", more))
 
-    def abort_samples(self, keys: list[tuple[str, int]]) -> None:
+    def abort_samples(self, keys: list[SampleKey]) -> None:
         self.inputs.put(("abort_samples", keys))
 
     def abort_client(self, client_id: str) -> None:
@@ -296,9 +209,7 @@ class EngineCoreLoop:
             try:
                 self.core.add_request(arg)
             except RequestRejected as exc:
-                outs.append(EngineCoreOutput(arg.request_id, 0, arg.client_id, [], finish_reason="error",
-                                             num_prompt_tokens=len(arg.prompt_token_ids),
-                                             error=(exc.code, exc.message)))
+                outs.append(exc.output(arg))
         elif kind == "abort":
             outs.extend(self.core.abort_requests(arg))
         elif kind == "abort_samples":
@@ -347,18 +258,15 @@ class EngineCoreLoop:
                 handled = self._take_inputs(outs, idle=not self.core.has_unfinished())
                 if handled is None:
                     return
-                if (self.fault_after_steps is not None and self.core.has_unfinished()
-                        and self.core.step_count >= self.fault_after_steps):
-                    raise RuntimeError(f"injected fault after {self.core.step_count} steps "
-                                       "(TESSERA_ENGINE_FAULT_AFTER_STEPS)")
-                outs.extend(self.core.step())
-                iteration = self.core.last_iteration
+                result = self.core.run_step()
+                outs.extend(result.outputs)
+                iteration = result.iteration
                 if iteration is not None and log.isEnabledFor(logging.DEBUG):
                     log.debug("step", extra={"step": iteration.step, "tokens": iteration.num_batched_tokens,
                                              "sampled": iteration.num_generation_tokens,
                                              "ms": round(iteration.duration_s * 1000, 3)})
                 if outs or iteration is not None or handled:
-                    self.on_outputs(self.core.step_count, outs, self.core.stats(), iteration)
+                    self.on_outputs(outs, self.core.stats(), iteration)
         except BaseException as exc:  # the loop dying must be visible to health checks
             self.error = exc
             log.exception("engine core loop died")

@@ -15,9 +15,9 @@ architectures) without loading any, and TESSERA_CPU_KERNELS_PREBUILT=DIR loads t
 most capable one whose instruction sets this CPU has (/proc/cpuinfo's flags).
 TESSERA_CPU_KERNELS_PREBUILT=<file> loads that one module file as it is.
 
-Where they cannot be built (no compiler), or with --cpu-kernels false
-(TESSERA_CPU_KERNELS=0), get()
-returns None and the model falls back to plain torch ops, with one warning.
+Where they cannot be built (no compiler), load() returns None and the model runner
+falls back to plain torch ops, with one warning. Whether to use them at all is
+EngineConfig.cpu_kernels (the engine's --cpu-kernels flag), decided by the model runner.
 """
 from __future__ import annotations
 
@@ -31,12 +31,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 _lock = threading.Lock()
-_state: dict = {}
-
-
-def enabled() -> bool:
-    """TESSERA_CPU_KERNELS (the engine's --cpu-kernels flag sets it): on unless 0/false/no/off."""
-    return os.environ.get("TESSERA_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+_modules: dict = {}  # prebuilt path (None: built here) -> module, or None where it failed
+_errors: dict = {}
 
 
 _NAME = "tessera_cpu_kernels"
@@ -161,8 +157,7 @@ def build_variants(out_dir: str | os.PathLike, names: list[str] | None = None) -
         return [path for paths in pool.map(_build_variant, names, [str(out)] * len(names)) for path in paths]
 
 
-def _build():
-    prebuilt = os.environ.get("TESSERA_CPU_KERNELS_PREBUILT")
+def _build(prebuilt: str | None):
     if prebuilt:
         return _load_prebuilt(prebuilt)
     _venv_bin_on_path()
@@ -173,25 +168,25 @@ def _build():
                 verbose=os.environ.get("TESSERA_CPU_KERNELS_VERBOSE") == "1")
 
 
-def get():
-    """The compiled module, or None where it is turned off or cannot be built."""
-    if not enabled():
-        return None
+def load(prebuilt: str | None = None):
+    """The compiled module (built for this CPU, or `prebuilt`: a module file or a `--variants`
+    directory), or None where it cannot be built or loaded (the error is in _errors)."""
     with _lock:
-        if "module" not in _state:
+        if prebuilt not in _modules:
             try:
-                _state["module"] = _build()
-                log.info("fused CPU kernels loaded", extra={"file": getattr(_state["module"], "__file__", None)})
+                _modules[prebuilt] = _build(prebuilt)
+                log.info("fused CPU kernels loaded", extra={"file": getattr(_modules[prebuilt], "__file__", None)})
             except Exception as e:  # no compiler, headers or ninja: plain torch ops instead
                 log.warning("fused CPU kernels unavailable, using torch ops", extra={"error": str(e)[-500:]})
-                _state["module"], _state["error"] = None, e
-        return _state["module"]
+                _modules[prebuilt], _errors[prebuilt] = None, e
+        return _modules[prebuilt]
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     # --variants DIR: build every variant for this architecture into DIR (for
     # TESSERA_CPU_KERNELS_PREBUILT=DIR), then load the one this CPU would use, as a check
+    prebuilt = None
     if "--variants" in sys.argv:
         at = sys.argv.index("--variants") + 1
         if at >= len(sys.argv) or sys.argv[at].startswith("-"):
@@ -199,10 +194,9 @@ if __name__ == "__main__":
                      "(--variants needs the directory to build into)")
         out_dir = sys.argv[at]
         print("tessera CPU kernels: built", ", ".join(p.name for p in build_variants(out_dir)))
-        os.environ["TESSERA_CPU_KERNELS_PREBUILT"] = out_dir
-    mod = get()
+        prebuilt = out_dir
+    mod = load(prebuilt)
     print("tessera CPU kernels:", f"loaded ({getattr(mod, 'variant', 'native')})" if mod is not None else
-          "off (TESSERA_CPU_KERNELS=0)" if not enabled() else
-          f"NOT available, the engine uses torch ops: {str(_state.get('error'))[-2000:]}")
+          f"NOT available, the engine uses torch ops: {str(_errors.get(prebuilt))[-2000:]}")
     # --require: fail where they cannot be built (a build that must have them)
-    sys.exit(1 if mod is None and enabled() and "--require" in sys.argv else 0)
+    sys.exit(1 if mod is None and "--require" in sys.argv else 0)

@@ -17,20 +17,20 @@ log = logging.getLogger(__name__)
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """loaded: an already loaded model to reuse (tests and benchmarks build several
-        engines over one set of weights); it must match config's device, dtype and block size."""
+        engines over one set of weights); it must match config's device and dtype."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype()
+        self.dtype, why = config.dtype_choice()
+        log.info("dtype chosen", extra={"dtype": str(self.dtype).removeprefix("torch."), "why": why})
         torch.manual_seed(config.seed)
         if loaded is None:
-            loaded = load_model(config.model, config.block_size, config.max_model_len, self.dtype, self.device)
+            loaded = load_model(config.model, config.max_model_len, self.dtype, self.device)
         self.model, self.hf_config, self.model_name, self.max_model_len = loaded
         if config.max_model_len:  # a shared model may allow more than this engine is configured for
             self.max_model_len = min(config.max_model_len, self.max_model_len)
         self.num_blocks = self._num_blocks(config)
-        self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size,
-                                  self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config, self.dtype, self.device)
         self.runner.sampler.seed(config.seed)
         log.info("kv cache allocated", extra={"num_blocks": self.num_blocks, "block_size": config.block_size})
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from tessera_engine.request import Request
+from tessera_engine.request import Request, SampleKey
 
 
 @dataclasses.dataclass
@@ -34,6 +34,14 @@ class KVCacheStats:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
+@dataclasses.dataclass
+class RequestBlocks:
+    """One request's share of the pool."""
+    block_ids: list[int] = dataclasses.field(default_factory=list)  # its block table
+    hashes: list[int] = dataclasses.field(default_factory=list)     # of its full blocks, memoized
+    num_registered: int = 0  # leading blocks already published in the prefix cache
+
+
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
@@ -49,9 +57,7 @@ class KVCacheManager:
         self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict(
             (i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.req_blocks: dict[tuple, list[int]] = {}
-        self.req_hashes: dict[tuple, list[int]] = {}
-        self.req_num_registered: dict[tuple, int] = {}  # leading blocks already published
+        self.req_blocks: dict[SampleKey, RequestBlocks] = {}
         self.queries = 0
         self.hits = 0
 
@@ -68,12 +74,13 @@ class KVCacheManager:
         return KVCacheStats(self.num_blocks, self.num_free_blocks, self.queries, self.hits)
 
     def block_table(self, req: Request) -> list[int]:
-        return self.req_blocks.get(req.key, [])
+        blocks = self.req_blocks.get(req.key)
+        return blocks.block_ids if blocks is not None else []
 
     # -- prefix cache --------------------------------------------------------
     def _block_hashes(self, req: Request, num_tokens: int) -> list[int]:
         """Hashes of the request's full blocks among its first num_tokens tokens (memoized)."""
-        hashes = self.req_hashes.setdefault(req.key, [])
+        hashes = self.req_blocks.setdefault(req.key, RequestBlocks()).hashes
         bs = self.block_size
         tokens = req.all_token_ids
         while (len(hashes) + 1) * bs <= num_tokens:
@@ -116,7 +123,8 @@ class KVCacheManager:
         cached_blocks: the prefix found by find_cached_prefix, taken on the first
         allocation. Returns False, changing nothing, when the pool is short.
         """
-        table = self.req_blocks.get(req.key)
+        blocks = self.req_blocks.get(req.key)
+        table = blocks.block_ids if blocks is not None else None
         cached_blocks = cached_blocks or []
         have = (len(table) if table else 0) + len(cached_blocks)
         num_computed = req.num_computed_tokens if table else len(cached_blocks) * self.block_size
@@ -127,7 +135,7 @@ class KVCacheManager:
         if need_new + reclaim > self.num_free_blocks:
             return False
         if table is None:
-            table = self.req_blocks[req.key] = []
+            table = self.req_blocks.setdefault(req.key, RequestBlocks()).block_ids
         for block_id in cached_blocks:
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
@@ -158,9 +166,10 @@ class KVCacheManager:
         """
         hashes = self._block_hashes(req, num_tokens)
         num_full = num_tokens // self.block_size  # hashes may run ahead (memoized by a lookup)
-        table = self.req_blocks[req.key]
-        start = self.req_num_registered.get(req.key, 0)
-        self.req_num_registered[req.key] = max(start, num_full)
+        blocks = self.req_blocks[req.key]
+        table = blocks.block_ids
+        start = blocks.num_registered
+        blocks.num_registered = max(start, num_full)
         for i in range(start, num_full):
             h = hashes[i]
             block = self.blocks[table[i]]
@@ -172,11 +181,10 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first)."""
-        table = self.req_blocks.pop(req.key, None)
-        self.req_hashes.pop(req.key, None)
-        self.req_num_registered.pop(req.key, None)
-        if not table:
+        blocks = self.req_blocks.pop(req.key, None)
+        if blocks is None or not blocks.block_ids:
             return
+        table = blocks.block_ids
         for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_cnt -= 1

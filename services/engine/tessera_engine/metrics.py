@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from tessera.common.logs import client_request_id
 from tessera.common.metrics import (ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, STEP_TIME_BUCKETS,
                                     build_1_2_5_buckets)
-from tessera_engine.core import EngineCoreOutput, EngineStats, IterationStats
+from tessera_engine.outputs import EngineCoreOutput, EngineStats, IterationStats
 
 request_log = logging.getLogger("tessera.engine.requests")
 

@@ -1,9 +1,10 @@
-"""Request: one sequence being generated (the seed's EngineCoreRequest plus its state)."""
+"""EngineCoreRequest (what a client submits, tokenized) and Request (one sample being generated, with its state)."""
 from __future__ import annotations
 
 import dataclasses
 import enum
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -18,10 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+
+class SampleKey(NamedTuple):
+    """Names one sample: a request id and which of its n samples (0 when n == 1)."""
+    request_id: str
+    index: int
 
 
 @dataclasses.dataclass
@@ -44,7 +46,7 @@ class Request:
     def __init__(self, core_req: EngineCoreRequest, index: int, eos_token_ids: list[int]) -> None:
         self.request_id = core_req.request_id
         self.index = index
-        self.key = (core_req.request_id, index)
+        self.key = SampleKey(core_req.request_id, index)
         self.client_id = core_req.client_id
         self.prompt_token_ids = list(core_req.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -66,7 +68,7 @@ class Request:
         # prefill = first token - first scheduled, decode = last token - first token.
         self.queued_time = core_req.received_time
         self.first_scheduled_time: float | None = None  # set by the scheduler
-        self.first_token_time: float | None = None      # set by EngineCore.step
+        self.first_token_time: float | None = None      # set by Scheduler.update_from_output
         self.last_token_time: float | None = None
 
     @property

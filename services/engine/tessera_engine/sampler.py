@@ -13,14 +13,15 @@ import dataclasses
 
 import torch
 
+from tessera_engine.ops import TorchOps
+from tessera_engine.outputs import TokenLogprobs
 from tessera_engine.request import Request
 
 
 @dataclasses.dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # per row when asked: (chosen id, logprob, rank), and top-N (ids, logprobs)
-    logprobs: list[tuple | None]
+    logprobs: list[TokenLogprobs | None]  # per row, when asked
 
 
 def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int):
@@ -33,12 +34,12 @@ def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int):
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, ops: TorchOps | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.ops = ops or TorchOps()  # the model runner's op backend (the greedy fast path's argmax)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
-        self.kernels = None  # fused CPU kernels (argmax over rows), set by the model runner
 
     def seed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -89,9 +90,7 @@ class Sampler:
         """logits [B, V] for the rows that sample this step, reqs in the same order."""
         if all(self._plain_greedy(r) for r in reqs):
             # greedy fast path: argmax of the raw logits (upcasting is exact, argmax keeps the first max)
-            if self.kernels is not None and logits.is_contiguous():
-                return SamplerOutput(self.kernels.argmax_rows(logits).tolist(), [None] * len(reqs))
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(reqs))
+            return SamplerOutput(self.ops.argmax_rows(logits).tolist(), [None] * len(reqs))
         raw = logits
         logits = logits.float().clone()
         self._apply_penalties(logits, reqs)
@@ -119,7 +118,7 @@ class Sampler:
             tokens[idx] = (probs / noise).argmax(dim=-1)
 
         token_list = tokens.tolist()
-        logprobs: list[tuple | None] = [None] * len(reqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if lp_rows:
             idx = torch.tensor(lp_rows, device=logits.device)
@@ -130,8 +129,8 @@ class Sampler:
             top_lp = top_lp.tolist() if top_lp is not None else None
             for j, i in enumerate(lp_rows):
                 k = reqs[i].params.logprobs
-                logprobs[i] = (token_list[i], chosen_lp[j], rank[j],
-                               top_ids[j][:k] if k else [], top_lp[j][:k] if k else [])
+                logprobs[i] = TokenLogprobs(token_list[i], chosen_lp[j], rank[j],
+                                            top_ids[j][:k] if k else [], top_lp[j][:k] if k else [])
         return SamplerOutput(token_list, logprobs)
 
     @staticmethod

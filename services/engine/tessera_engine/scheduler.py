@@ -7,15 +7,28 @@ sequences (max_num_seqs). A prompt larger than the remaining budget is split
 over several steps (chunked prefill). When the KV pool runs dry the
 lowest-priority, latest-arrived running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue, to be recomputed.
+
+After the model ran, update_from_output turns (SchedulerOutput, ModelRunnerOutput)
+into the step's EngineCoreOutputs in one pass, as vLLM v1's scheduler does:
+computed counts advance, sampled tokens are appended, stop conditions checked,
+finished requests retired and every sample that got a token gets its output.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from tessera_engine.config import EngineConfig
 from tessera_engine.kv_cache import KVCacheManager
-from tessera_engine.request import Request, RequestStatus
+from tessera_engine.outputs import EngineCoreOutput, RequestTiming
+from tessera_engine.request import Request, RequestStatus, SampleKey
+
+if TYPE_CHECKING:
+    from tessera_engine.model_runner import ModelRunnerOutput
+
+_FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+           RequestStatus.FINISHED_ABORTED: "abort"}
 
 
 @dataclasses.dataclass
@@ -50,7 +63,7 @@ class Scheduler:
         self.priority = config.scheduling_policy == "priority"
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.requests: dict[tuple, Request] = {}
+        self.requests: dict[SampleKey, Request] = {}
         self.num_preemptions = 0
 
     # -- queues ----------------------------------------------------------------
@@ -86,6 +99,16 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.key, None)
+
+    def abort(self, keys: list[SampleKey]) -> list[EngineCoreOutput]:
+        """Abort these samples; unknown or finished ones are ignored. One output per abort."""
+        outs = []
+        for key in keys:
+            req = self.requests.get(key)
+            if req is not None:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                outs.append(make_output(req, []))
+        return outs
 
     # -- scheduling --------------------------------------------------------------
     def _victim(self) -> Request:
@@ -156,19 +179,50 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
 
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[tuple, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, and retire finished requests."""
-        finished: list[Request] = []
-        for s in out.scheduled:
+    def update_from_output(self, sched: SchedulerOutput, result: "ModelRunnerOutput"
+                           ) -> tuple[list[EngineCoreOutput], int]:
+        """Apply one step's model output; returns the step's outputs and the prompt tokens of the
+        samples that got their first token (for the iteration stats)."""
+        now = time.time()
+        outs: list[EngineCoreOutput] = []
+        num_prompt_tokens = 0
+        for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(req.key)
+            chunk_prompt_logprobs = result.prompt_logprobs.get(req.key)
+            if chunk_prompt_logprobs is not None:
+                req.prompt_logprobs.extend(chunk_prompt_logprobs)
+            token = result.sampled.get(req.key)
             if token is None:
-                continue
+                continue  # a prefill chunk short of the prompt's end
             req.append_output_token(token)
             if req.check_stop(self.max_model_len):
                 self.running.remove(req)
                 self.kv.free(req)
                 self.requests.pop(req.key, None)
-                finished.append(req)
-        return finished
+            if req.first_token_time is None:
+                req.first_token_time = now
+                num_prompt_tokens += req.num_prompt_tokens
+            req.last_token_time = now
+            out = make_output(req, [token], now)
+            lp = result.logprobs.get(req.key)
+            if lp is not None:
+                out.logprobs = [lp]
+            if not req.prompt_logprobs_done:
+                out.prompt_logprobs = req.prompt_logprobs
+                req.prompt_logprobs_done = True
+            outs.append(out)
+        return outs, num_prompt_tokens
+
+
+def make_output(req: Request, tokens: list[int], now: float | None = None) -> EngineCoreOutput:
+    """A sample's output carrying these new tokens; with its timing once it has finished."""
+    out = EngineCoreOutput(
+        request_id=req.request_id, index=req.index, client_id=req.client_id,
+        new_token_ids=tokens, finish_reason=_FINISH.get(req.status),
+        stop_token_id=req.stop_token_id, num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=max(req.num_cached_tokens, 0))
+    if out.finish_reason is not None:
+        out.timing = RequestTiming(req.queued_time, req.first_scheduled_time, req.first_token_time,
+                                   req.last_token_time, now or time.time(), req.num_output_tokens)
+    return out

@@ -1,23 +1,25 @@
-"""The Llama family (Llama, Qwen2, Mistral, SmolLM) in plain torch, over a paged KV cache.
+"""The Llama family (Llama, Qwen2, Mistral, SmolLM) in torch, over a paged KV cache.
 
-RMSNorm, rotary embeddings (any rope scaling transformers supports, computed by
-its own init functions), grouped-query attention, SwiGLU MLP, optional QKV bias
-(Qwen2) and tied embeddings. Q, K and V share one matmul, as do gate and up.
+RMSNorm, rotary embeddings (models/rotary.py), grouped-query attention, SwiGLU MLP,
+optional QKV bias (Qwen2) and tied embeddings. Q, K and V share one matmul, as do
+gate and up. The attention and op backends are the model runner's choice, set once
+with `use_backend`.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from tessera_engine.attention import AttentionMetadata, PagedAttention
+from tessera_engine.attention import AttentionMetadata, PagedAttention, TorchAttention
+from tessera_engine.models.rotary import RotaryEmbedding
+from tessera_engine.ops import TorchOps
+
+_TORCH_OPS = TorchOps()
 
 
 def _packed_linear_available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and os.environ.get("TESSERA_PACKED_LINEAR", "1") != "0"
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
@@ -32,8 +34,7 @@ class PackedWeight:
     F.linear on CPU bf16 goes through oneDNN too but reorders the weight on every
     call; prepacking it gives the same results, faster (same idea as inductor's
     weight prepacking). Repacked when the weight changes (its storage or version
-    counter). Set TESSERA_PACKED_LINEAR=0 to turn it off. The per-call path is
-    kept to a few attribute checks: at batch 1 a step makes ~120 of these calls.
+    counter). The per-call path is kept to a few attribute checks: at batch 1 a step makes ~120 of these calls.
     """
 
     def __init__(self) -> None:
@@ -58,8 +59,8 @@ class PackedWeight:
 
 class Linear(nn.Linear):
     """nn.Linear whose bf16 CPU matmul runs on a prepacked weight (see PackedWeight), and
-    for a single row (one sequence decoding) on the fused kernels' GEMV when set
-    (`gemv`, by the model runner): a memory-bound pass over the weight."""
+    for a single row (one sequence decoding) on the ops backend's GEMV when it has one
+    (`gemv`, set by use_backend): a memory-bound pass over the weight."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -73,94 +74,23 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as HF computes it; with `residual`, adds x to it first (vLLM's fused form).
-
-    On CPU the fused kernels (tessera_engine.cpu_kernels) do either in one pass,
-    rounding where the torch ops round; `kernels` is set by the model runner.
-    """
+    """RMSNorm as HF computes it; with `residual`, adds x to it first (vLLM's fused form)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.kernels = None
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        self.ops: TorchOps = _TORCH_OPS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); or, with residual: (norm(residual + x), residual + x), the sum kept in residual."""
-        k = self.kernels if x.dtype == self.weight.dtype else None
         if residual is None:
-            return k.rms_norm(x, self.weight, self.eps) if k is not None else self._norm(x)
-        if k is not None:
-            return k.add_rms_norm_(x, residual, self.weight, self.eps), residual
-        residual = residual + x
-        return self._norm(residual), residual
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions (HF's rotate-half layout)."""
-
-    def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "default":
-            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            dim = int(dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            scaling = 1.0
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
-        half = emb.shape[-1] // 2
-        sign = torch.cat((-torch.ones(half), torch.ones(emb.shape[-1] - half)))
-        self.register_buffer("sin_signed", self.sin * sign, persistent=False)
-
-    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin for every position ([max_positions, dim]) in dtype."""
-        if self.cos.dtype != dtype:
-            return self.cos.to(dtype), self.sin_signed.to(dtype)
-        return self.cos, self.sin_signed
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin ([T, 1, dim]) for apply_rotary_signed."""
-        return (self.cos[positions].to(dtype).unsqueeze(1),
-                self.sin_signed[positions].to(dtype).unsqueeze(1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """apply_rotary with the sign of rotate-half folded into sin ([-sin, sin] halves).
-
-    rotate_half(x) * sin == roll(x, half) * sin_signed exactly (negation is exact),
-    in four ops instead of six.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, block_size: int) -> None:
+    def __init__(self, config) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -171,25 +101,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size,
                                 bias=bool(getattr(config, "attention_bias", False)))
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, block_size)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.backend: TorchAttention | None = None  # set by use_backend
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if meta.kernels is not None:
-            # fused CPU kernel: rotary on q and k in place, k and v written to the cache;
-            # cos / sin are the whole tables, indexed by meta.positions
-            meta.kernels.rope_and_cache_(qkv, meta.positions, cos, sin, kv_cache[0], kv_cache[1],
-                                         meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
-            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
-            return self.o_proj(self.attn.forward(q, None, None, kv_cache[0], kv_cache[1], meta))
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # rotate q and k together: one set of elementwise ops for both
-        qk = apply_rotary_signed(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        o = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(o)
+        k_cache, v_cache = kv_cache
+        q = self.backend.rope_and_cache(self.attn, self.qkv_proj(x), cos, sin, k_cache, v_cache, meta)
+        return self.o_proj(self.backend.forward(self.attn, q, k_cache, v_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -198,20 +116,17 @@ class LlamaMLP(nn.Module):
         self.inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
+        self.ops: TorchOps = _TORCH_OPS
 
-    def forward(self, x, kernels=None):
-        gate_up = self.gate_up_proj(x)
-        if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, block_size: int) -> None:
+    def __init__(self, config) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, block_size)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -225,15 +140,15 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, meta.kernels), residual
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, block_size: int, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, block_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -241,28 +156,29 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, max_positions)
         self._tied_pw = PackedWeight()
+        self.attention: TorchAttention | None = None  # set by use_backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of T tokens → final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        if meta.kernels is not None:  # the fused rotary kernel indexes the tables itself
-            cos, sin = self.rotary.tables(x.dtype)
-        else:
-            cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.attention.rotary_tables(self.rotary, x.dtype, positions)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
-    def use_kernels(self, kernels) -> None:
-        """Fused CPU kernels for the norms and single-row bf16 linears (None: torch ops)."""
-        gemv = getattr(kernels, "gemv_bf16", None)  # built only where the CPU has AVX512-BF16
+    def use_backend(self, attention: TorchAttention, ops: TorchOps) -> None:
+        """The model runner's attention and op backends, for every layer."""
+        self.attention = attention
         for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.kernels = kernels
+            if isinstance(m, (RMSNorm, LlamaMLP)):
+                m.ops = ops
+            elif isinstance(m, LlamaAttention):
+                m.backend = attention
             elif isinstance(m, Linear):
-                m.gemv = gemv if m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu" else None
+                on_cpu_bf16 = m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+                m.gemv = ops.gemv if on_cpu_bf16 else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -60,15 +60,15 @@ class LoadedModel(NamedTuple):
     max_model_len: int
 
 
-def load_model(model: str | None, block_size: int, max_model_len: int | None,
-               dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
+               device: torch.device) -> LoadedModel:
     src = resolve_model(model)
     hf_config = load_hf_config(src)
     if hf_config.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_config.model_type!r} not supported (supported: {sorted(SUPPORTED)})")
     max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
     state = _gguf_state_dict(src, hf_config) if src.gguf_file else _safetensors_state_dict(src.directory)
-    net = LlamaForCausalLM(hf_config, block_size, max_len)
+    net = LlamaForCausalLM(hf_config, max_len)
     net.load_hf_state_dict(state)
     net = net.to(device=device, dtype=dtype).eval()
     net.requires_grad_(False)

@@ -1,0 +1,81 @@
+"""The typed messages the engine core hands out: per-sample outputs, per-step stats, and the
+logprob entries both carry. They map onto tessera.v1's RequestOutput and EngineStats."""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+
+class TokenLogprobs(NamedTuple):
+    """One position's logprobs: the chosen token's and the top-N alternatives (N may be 0)."""
+    token_id: int
+    logprob: float
+    rank: int                 # 1 = the most likely token
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestError(NamedTuple):
+    code: str     # a grpc.StatusCode name
+    message: str
+
+
+@dataclasses.dataclass
+class RequestTiming:
+    """A finished sample's timestamps (unix seconds; None when it never got there) and
+    token count: the raw material of the request metrics and the 'request finished' log line."""
+    queued: float
+    scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    finished: float
+    num_generation_tokens: int
+
+
+@dataclasses.dataclass
+class EngineCoreOutput:
+    """One sample's progress in one step (maps onto tessera.v1.RequestOutput)."""
+    request_id: str
+    index: int
+    client_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # once, with the first token, when asked: one entry per prompt position (the first is None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None  # stop, length, abort, error
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: RequestError | None = None
+    timing: RequestTiming | None = None  # set on a finished sample's last output
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What one engine step did (one record per step that ran; the metrics' per-step input)."""
+    step: int
+    duration_s: float           # schedule + execute + outputs, wall clock
+    num_batched_tokens: int     # tokens the model computed this step (prefill chunks + decodes)
+    num_prompt_tokens: int      # prompt lengths of the samples that got their first token
+    num_generation_tokens: int  # tokens sampled (= new_token_ids emitted) this step
+    num_preempted: int
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """The scheduler and KV cache's state (maps onto tessera.v1.EngineStats)."""
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    kv_cache_usage: float
+
+
+@dataclasses.dataclass
+class EngineCoreOutputs:
+    """One step's result: every sample's output, and the step's stats (None when no step ran)."""
+    outputs: list[EngineCoreOutput]
+    iteration: IterationStats | None = None

@@ -12,6 +12,9 @@ from typing import Any, Callable
 
 from tessera.common import aio
 
+# Seconds open calls get to finish on SIGTERM/SIGINT (--shutdown-grace-s).
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+
 
 def _parse_bool(value: str) -> bool:
     v = value.strip().lower()
@@ -49,11 +52,20 @@ def add_flag(
     )
 
 
+def _non_negative_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds >= 0:  # (also refuses nan)
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value!r}")
+    return seconds
+
+
 def add_common_flags(parser: argparse.ArgumentParser, default_port: int, port_env: str) -> None:
-    """Flags every service has: bind host, port, log level."""
+    """Flags every service has: bind host, port, log level, event loop, shutdown grace."""
     add_flag(parser, "--host", "TESSERA_BIND_HOST", "0.0.0.0", help="address to bind")
     add_flag(parser, "--port", port_env, default_port, type=int, help="gRPC port")
     add_flag(parser, "--log-level", "TESSERA_LOG_LEVEL", "INFO", help="log level",
              choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_flag(parser, "--event-loop", "TESSERA_EVENT_LOOP", "auto", choices=aio.EVENT_LOOPS,
              help="asyncio event loop: uvloop (less CPU per gRPC message) or the standard one; auto = uvloop if installed")
+    add_flag(parser, "--shutdown-grace-s", "TESSERA_SHUTDOWN_GRACE_S", DEFAULT_SHUTDOWN_GRACE_S,
+             type=_non_negative_seconds, help="seconds open calls get to finish on SIGTERM/SIGINT before they are cancelled")

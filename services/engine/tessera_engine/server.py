@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import logging
 import os
-import signal
 import threading
 import time
 
@@ -28,9 +27,10 @@ import grpc
 
 from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
+from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.grpc_service import Health
 from tessera.common.logs import client_request_id, setup_logging
-from tessera.common.metrics import add_metrics_flag, start_metrics_server
+from tessera.common.metrics import add_metrics_flag
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import (EngineCore, EngineCoreLoop, EngineCoreOutput, EngineStats, IterationStats,
@@ -40,6 +40,8 @@ from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tessera.engine")
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 FAULT_ENV = "TESSERA_ENGINE_FAULT_AFTER_STEPS"  # test-only: the core loop raises after N steps
 LOOP_WATCH_S = 0.25  # how often the watcher checks that the core loop is alive
@@ -305,39 +307,31 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; the process exit code (1: the port cannot be bound). A model
+    that fails to load leaves the engine up and NOT_SERVING (logged)."""
     config = config_from_args(args)
     config.validate()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    names = [engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name]
-    health = Health(server, names)
-    servicer = EngineServicer(config, health, _fault_after_steps())
-    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
-    add_reflection(server, names)
-    addr = f"{args.host}:{args.port}"
-    server.add_insecure_port(addr)
-    await server.start()
-    await health.set(False)
-    log.info("engine listening", extra={"addr": addr, "event_loop": aio.loop_name()})
-    metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
+    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
+    servicer = EngineServicer(config, grpc_server.health, _fault_after_steps())
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)
+    try:
+        await grpc_server.start(args.host, args.port, args.metrics_port)
+    except BindError as exc:
+        log.error("%s", exc)
+        return 1
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     load = asyncio.create_task(servicer.load())
     load.add_done_callback(_report_load_failure)
-    await stop.wait()
-    log.info("engine stopping")
-    await health.set(False)
+    await grpc_server.wait_for_stop()
     load.cancel()
     if servicer.watcher:
         servicer.watcher.cancel()  # the loop's end at shutdown is no crash
-    await server.stop(grace=2)
+    await grpc_server.stop()
     if servicer.loop_runner:
         servicer.loop_runner.stop()
-    if metrics_server:
-        metrics_server.close()
+    log.info("stopped")
+    return 0
 
 
 def _report_load_failure(task: asyncio.Task) -> None:
@@ -346,14 +340,17 @@ def _report_load_failure(task: asyncio.Task) -> None:
         log.error("engine failed to load the model; health stays NOT_SERVING", exc_info=task.exception())
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging("engine", args.log_level)
     # read by tessera_engine.cpu_kernels
     os.environ["TESSERA_CPU_KERNELS"] = "1" if args.cpu_kernels else "0"
     if args.cpu_kernels_prebuilt:
         os.environ["TESSERA_CPU_KERNELS_PREBUILT"] = args.cpu_kernels_prebuilt
-    aio.run(serve(args), args.event_loop)
+    code = aio.run(serve(args), args.event_loop)
+    if code:  # (`python -m tessera_engine` does not pass main's return value on)
+        raise SystemExit(code)
+    return code
 
 
 if __name__ == "__main__":

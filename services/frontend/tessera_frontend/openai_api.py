@@ -202,7 +202,8 @@ class OpenAIApi:
                     await _close(outputs, ticket)
                 finally:
                     tracker.finish(status["code"])
-            return _EventStream(_events(formatter, first, outputs, body, status), on_close=on_close, headers=headers)
+            return _EventStream(event_stream(formatter, first, outputs, body, status), on_close=on_close,
+                                headers=headers)
         try:
             collected = await _unless_disconnected(request, _collect(outputs, body))
         finally:
@@ -372,9 +373,11 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _events(formatter: Formatter, first: IndexedOutput, outputs: AsyncIterator[IndexedOutput],
-                  body, status: dict) -> AsyncIterator[str]:
-    """The stream's events; `status["code"]` is set to how it ended (200, or an error's HTTP status)."""
+async def event_stream(formatter: Formatter, first: IndexedOutput, outputs: AsyncIterator[IndexedOutput],
+                       body, status: dict) -> AsyncIterator[str]:
+    """The server-sent events of a streamed response: the formatter's chunks for `first` and every
+    later output, the usage chunk when asked, `data: [DONE]`; a failure is sent as an error event
+    before [DONE]. `status["code"]` is set to how it ended (200, or the error's HTTP status)."""
     usage = Usage()
     try:
         for chunk in formatter.stream_start():

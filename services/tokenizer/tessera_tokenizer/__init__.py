@@ -3,5 +3,5 @@
 Modules: `tokenizer` (load the model's tokenizer, encode, chat templates, model facts),
 `detokenizer` (per-request incremental decoding with stop strings), `detokenize_stream`
 (the requests of one DetokenizeStream call, one reply per message), `server` (the gRPC
-TokenizerService, health, reflection, flags).
+TokenizerService and its flags; serving through `tessera.common.grpc_server`).
 """

@@ -3,8 +3,9 @@ DetokenizeStream, GetModelInfo.
 
 A thin adapter: validation and proto conversion here, the work in `tokenizer`,
 `detokenizer` and `detokenize_stream` (one DetokenizeStream call's requests). The server
-starts first (health NOT_SERVING), loads the tokenizer in a background thread, then turns
-SERVING; calls made before that get UNAVAILABLE.
+(`tessera.common.grpc_server`) starts first (health NOT_SERVING), loads the tokenizer in a
+background thread, then turns SERVING; calls made before that get UNAVAILABLE. A tokenizer
+that fails to load ends the process (exit 1).
 
 Run with `python -m tessera_tokenizer --port N` (flags below, each with an env fallback).
 Prometheus metrics (see `metrics`) and an HTTP /health that agrees with grpc.health.v1 are
@@ -17,7 +18,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import signal
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -26,9 +26,10 @@ import grpc
 
 from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection, request_id_from
+from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.grpc_service import request_id_from
 from tessera.common.logs import setup_logging
-from tessera.common.metrics import add_metrics_flag, start_metrics_server
+from tessera.common.metrics import add_metrics_flag
 from tessera.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_tokenizer import metrics
 from tessera_tokenizer.detokenize_stream import DetokenizeSession
@@ -42,8 +43,6 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].ful
 # (the tokenizer releases the GIL for large inputs; see tokenizer.py).
 _INLINE_CHARS = 4_096
 _INLINE_TOKENS = 2_048
-# Seconds open calls get to finish on SIGTERM/SIGINT.
-_SHUTDOWN_GRACE_S = 5.0
 
 T = TypeVar("T")
 
@@ -336,31 +335,20 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 
 
 async def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/SIGINT; returns the process exit code."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    """Run the server until SIGTERM/SIGINT; returns the process exit code (1: the model did
+    not load, or the port cannot be bound)."""
+    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
     servicer = TokenizerServicer(args.max_input_chars, args.max_messages)
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
-    health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME])
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, grpc_server.server)
     try:
-        port = server.add_insecure_port(f"{host}:{args.port}")
-    except RuntimeError as exc:
-        log.error("cannot listen on %s:%s: %s", host, args.port, exc)
+        await grpc_server.start(args.host, args.port, args.metrics_port)
+    except BindError as exc:
+        log.error("%s", exc)
         return 1
-    await health.set(False)
-    await server.start()
-    log.info("listening", extra={"address": f"{host}:{port}", "event_loop": aio.loop_name()})
-    metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
-
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
 
     started = time.perf_counter()
     loading = _load_in_background(args.model)
-    stop_wait = asyncio.ensure_future(stopping.wait())
+    stop_wait = asyncio.ensure_future(grpc_server.wait_for_stop())
     await asyncio.wait([loading, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if loading.done():
@@ -374,16 +362,12 @@ async def serve(args: argparse.Namespace) -> int:
             log.info("tokenizer loaded", extra={
                 "model": info.model_name, "vocab_size": info.vocab_size,
                 "max_model_len": info.max_model_len, "load_s": round(time.perf_counter() - started, 3)})
-            await health.set(True)
+            await grpc_server.health.set(True)
             await stop_wait
     stop_wait.cancel()
     loading.cancel()
 
-    log.info("shutting down")
-    await health.set(False)
-    await server.stop(_SHUTDOWN_GRACE_S)
-    if metrics_server is not None:
-        metrics_server.close()
+    await grpc_server.stop()
     log.info("stopped")
     return code
 

@@ -11,23 +11,23 @@ least one engine replica has an open Session; a watcher keeps polling, so the
 services may start in any order.
 
 Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, both servers stop taking new
-requests and give running ones SHUTDOWN_GRACE_S to finish, then the backend
-streams close.
+requests and give running ones --shutdown-grace-s to finish, then the backend
+streams close. The gRPC server's start and stop are `tessera.common.grpc_server`'s.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
 
 import grpc
 
 from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
+from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.grpc_service import Health
 from tessera.common.logs import setup_logging
-from tessera.common.metrics import add_metrics_flag, start_metrics_server
+from tessera.common.metrics import add_metrics_flag
 from tessera.v1 import frontend_pb2, frontend_pb2_grpc
 from tessera_frontend.admission import AdmissionController
 from tessera_frontend.async_llm import AsyncLLM
@@ -43,7 +43,6 @@ from tessera_frontend.validation import Limits
 log = logging.getLogger("tessera_frontend")
 
 SERVICE_NAME = frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"].full_name
-SHUTDOWN_GRACE_S = 5.0
 READINESS_POLL_S = 0.5
 
 
@@ -100,7 +99,8 @@ async def watch_readiness(llm: AsyncLLM, health: Health) -> None:
         await asyncio.sleep(READINESS_POLL_S)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; the process exit code (1: the gRPC port cannot be bound)."""
     tokenizer = TokenizerClient(args.tokenizer_addr)
     engine = EngineCoreClient(parse_engine_addrs(args.engine_addrs),
                               Router(max_imbalance=args.affinity_max_imbalance),
@@ -109,45 +109,35 @@ async def serve(args: argparse.Namespace) -> None:
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
     admission = AdmissionController(args.max_inflight_requests)
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission), server)
-    health = Health(server, [SERVICE_NAME])
-    add_reflection(server, [SERVICE_NAME])
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    await health.set(False)
-    await server.start()
-    metrics_server = start_metrics_server(args.metrics_port, args.host, health=lambda: health.serving)
+    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
+    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission),
+                                                            grpc_server.server)
+    try:
+        await grpc_server.start(args.host, args.port, args.metrics_port, http_port=args.http_port or None,
+                                tokenizer=args.tokenizer_addr, engines=[str(e) for e in engine.entries],
+                                max_inflight_requests=args.max_inflight_requests)
+    except BindError as exc:
+        log.error("%s", exc)
+        await llm.close()
+        return 1
     http = None
     if args.http_port:
         http = HttpServer(create_app(llm, limits, admission, args.served_model_name), args.host, args.http_port,
-                          grace_s=SHUTDOWN_GRACE_S)
+                          grace_s=grpc_server.grace_s)
         await http.start()
-    log.info("frontend listening", extra={"port": port, "http_port": args.http_port or None,
-                                          "tokenizer": args.tokenizer_addr,
-                                          "engines": [str(e) for e in engine.entries],
-                                          "max_inflight_requests": args.max_inflight_requests,
-                                          "event_loop": aio.loop_name()})
     llm.start()
-    readiness = asyncio.create_task(watch_readiness(llm, health), name="readiness")
+    readiness = asyncio.create_task(watch_readiness(llm, grpc_server.health), name="readiness")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-
-    log.info("shutting down", extra={"grace_s": SHUTDOWN_GRACE_S})
+    await grpc_server.wait_for_stop()
     readiness.cancel()
-    await health.set(False)
-    await asyncio.gather(server.stop(SHUTDOWN_GRACE_S), *([http.stop()] if http else []))
+    await grpc_server.stop(*([http.stop()] if http else []))
     await asyncio.gather(readiness, return_exceptions=True)
     await llm.close()
-    if metrics_server is not None:
-        metrics_server.close()
     log.info("stopped")
+    return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -160,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.http_port < 65536:
         parser.error("--http-port must be in [0, 65535]")
     setup_logging("frontend", args.log_level)
-    aio.run(serve(args), args.event_loop)
+    code = aio.run(serve(args), args.event_loop)
+    if code:  # (`python -m tessera_frontend` does not pass main's return value on)
+        raise SystemExit(code)
+    return code
 
 
 if __name__ == "__main__":

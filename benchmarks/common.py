@@ -1,13 +1,13 @@
-"""Shared helpers for tessera's benchmarks (not tests): prompts, timing, memory, environment.
-
-Everything here runs in-process on the engine core and on HF transformers; there
-is no gRPC in the measured path.
+"""Shared helpers for tessera's benchmarks (not tests): prompts, engine flags, statistics,
+memory and CPU accounting, quiet-machine waits, the environment record, report formatting,
+and a per-phase step-time breakdown of the engine core.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+import importlib
 import os
 import platform
 import random
@@ -17,9 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterable
-
-import torch
+from typing import Callable, Iterable, Sequence
 
 # 64 distinct, realistic chat questions of varied length (a few words to a
 # paragraph), so prompts span roughly 35 to 150 tokens after the chat template.
@@ -152,6 +150,11 @@ def draw_lengths(n: int, low: int, high: int, seed: int) -> list[int]:
     """Output lengths drawn uniformly from [low, high] (inclusive) with a fixed seed."""
     rng = random.Random(seed)
     return [rng.randint(low, high) for _ in range(n)]
+
+
+def log(msg: str) -> None:
+    """Progress lines go to stderr; stdout holds the report."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 # -- statistics -----------------------------------------------------------------
@@ -296,31 +299,29 @@ def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.3, log: Callabl
 
 
 # -- environment ---------------------------------------------------------------------
-def environment() -> dict:
+def environment(packages: Sequence[str] = ("torch", "transformers")) -> dict:
+    """What a result was measured on: Python, the given packages' versions (and torch's thread
+    count when torch is one), the CPU, the git commit (`-dirty` with uncommitted changes), load, time."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip()
+                                cwd=here, timeout=5).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=5,
-                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip())
+                                    capture_output=True, text=True, timeout=5, cwd=here).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", False
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
+    info: dict = {"python": platform.python_version()}
+    for name in packages:
+        info[name] = importlib.import_module(name).__version__
+    if "torch" in packages:
+        info["torch_threads"] = importlib.import_module("torch").get_num_threads()
+    return info | {
         "cpu_count": os.cpu_count(),
         "cpu": cpu,
         "platform": platform.platform(),
@@ -328,6 +329,26 @@ def environment() -> dict:
         "loadavg": list(os.getloadavg()),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+# -- report formatting -------------------------------------------------------------------
+def fmt(x, spec: str, scale: float = 1.0) -> str:
+    """format(x * scale, spec), or "-" for a missing (None or NaN) figure."""
+    return "-" if x is None or x != x else format(x * scale, spec)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence], rule_per_column: bool = False) -> list[str]:
+    """A text table: the first column left-aligned, the others right-aligned, a rule under the header
+    (one dash run across the whole line, or one per column with rule_per_column)."""
+    cells = [[str(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    head = line(cells[0])
+    rule = line(["-" * w for w in widths]) if rule_per_column else "-" * len(head)
+    return [head, rule, *(line(r) for r in cells[1:])]
 
 
 # -- step-time breakdown of the engine (profiling aid) --------------------------------

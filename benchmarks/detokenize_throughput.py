@@ -40,9 +40,10 @@ must have no error, no stop match, tokens_consumed=1 and finished only on the la
 step. The in-process text is also compared with a one-shot decode of the whole
 sequence (reported; a mismatch there is a detokenizer bug, not a transport one).
 
-Target (issue 4, item 7): the service sustains >= 20x the engine's own output
-tokens/s at 64 requests, read from results/engine_throughput.json
-(scenarios.batch64.engine.tokens_per_s.median) or given with --engine-tokens-per-s.
+Target: the service sustains >= 20x the engine's own output tokens/s at 64 requests
+(so that detokenizing never holds the engine back), the engine's figure read from
+results/engine_throughput.json (scenarios.batch64.engine.tokens_per_s.median) or given
+with --engine-tokens-per-s.
 
   python benchmarks/detokenize_throughput.py
   python benchmarks/detokenize_throughput.py --repeats 5 --pipeline-depth 8
@@ -61,11 +62,9 @@ import json
 import logging
 import os
 import pathlib
-import platform
 import pstats
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,7 +77,9 @@ import grpc  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from common import environment, fmt, format_table, log, summarize  # noqa: E402
 from tests.stack import Service, free_port  # noqa: E402
 from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc  # noqa: E402
@@ -180,10 +181,6 @@ PASSAGES: list[str] = [
     "Vietnamese: Hà Nội là thủ đô của Việt Nam, nổi tiếng với phở, bún chả và cà phê trứng. "
     "Hồ Hoàn Kiếm nằm ngay giữa trung tâm thành phố cổ.",
 ]
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- arguments ---------------------------------------------------------------------
@@ -357,12 +354,9 @@ async def run_service(stub, w: Workload, depth: int) -> tuple[float, list]:
 
 async def run_frontend_client(client, w: Workload) -> tuple[float, list]:
     """Lock-step through the frontend's DetokenizeStream client (one stream, kept open)."""
-    stream = client.stream
-    # `send` queues one message and returns a future of its results (their count is
-    # checked by check_replies); older clients had `detokenize_step` for the same.
-    step = getattr(stream, "detokenize_step", None) or stream.send
+    send = client.stream.send  # queues one message; a future of its results (counted by check_replies)
     t0 = time.perf_counter()
-    replies = [await step(items) for items in w.item_lists]
+    replies = [await send(items) for items in w.item_lists]
     return time.perf_counter() - t0, replies
 
 
@@ -427,29 +421,6 @@ def engine_figure(args: argparse.Namespace) -> tuple[float | None, str | None]:
     return None, None
 
 
-# -- environment ------------------------------------------------------------------------------
-def environment() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=REPO, timeout=5).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                    capture_output=True, text=True, timeout=5).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", False
-    import tokenizers
-
-    return {"python": platform.python_version(), "grpc": grpc.__version__, "tokenizers": tokenizers.__version__,
-            "cpu_count": os.cpu_count(), "cpu": cpu, "platform": platform.platform(),
-            "git_commit": commit + ("-dirty" if dirty else ""), "loadavg": list(os.getloadavg()),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
 def _cpu_s(proc) -> float:
     if proc is None:
         return float("nan")
@@ -457,16 +428,26 @@ def _cpu_s(proc) -> float:
     return t.user + t.system
 
 
-def summarize(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+# -- measuring -------------------------------------------------------------------------------
+async def open_frontend_client(addr: str):
+    """The frontend's TokenizerClient with its DetokenizeStream connected, or None (logged) when it fails."""
+    try:
+        from tessera_frontend.tokenizer_client import TokenizerClient
+        client = TokenizerClient(addr)
+        client.stream.start()
+        deadline = time.monotonic() + 30
+        while not client.stream.connected:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the frontend client's stream did not connect in 30 s")
+            await asyncio.sleep(0.01)
+        return client
+    except Exception as exc:
+        log(f"frontend client side skipped: {exc!r}")
+        return None
 
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None or x != x else format(x, spec)
-
-
-# -- main ----------------------------------------------------------------------------------------
 async def measure(args: argparse.Namespace, tokenizer: Tokenizer, w: Workload, service: Service) -> dict:
+    """Every side --warmup + --repeats times, in rotating order; {"sides": per-side figures, "checks": ...}."""
     try:
         import psutil
         me, server_proc = psutil.Process(), psutil.Process(service.process.pid)
@@ -475,20 +456,7 @@ async def measure(args: argparse.Namespace, tokenizer: Tokenizer, w: Workload, s
 
     channel = grpc.aio.insecure_channel(service.addr, options=CHANNEL_OPTIONS)
     stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-    client = None
-    if not args.no_frontend_client:
-        try:
-            from tessera_frontend.tokenizer_client import TokenizerClient
-            client = TokenizerClient(service.addr)
-            client.stream.start()
-            deadline = time.monotonic() + 30
-            while not client.stream.connected:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the frontend client's stream did not connect in 30 s")
-                await asyncio.sleep(0.01)
-        except Exception as exc:
-            log(f"frontend client side skipped: {exc!r}")
-            client = None
+    client = None if args.no_frontend_client else await open_frontend_client(service.addr)
 
     expected: list[str] | None = None
     sides = ["inprocess"] + ([] if args.no_session else ["session"]) + ["service"]
@@ -542,7 +510,11 @@ async def measure(args: argparse.Namespace, tokenizer: Tokenizer, w: Workload, s
         if client is not None:
             await client.close()
         await channel.close()
+    return {"sides": summarize_sides(runs, w.total_tokens), "checks": checks}
 
+
+def summarize_sides(runs: dict[str, list[dict]], total_tokens: int) -> dict:
+    """Per side: medians (tokens/s, wall, CPU), the ratio to the in-process side, tokens per CPU second."""
     sides_out = {}
     base = statistics.median(r["tokens_per_s"] for r in runs["inprocess"])
     for side, recs in runs.items():
@@ -556,12 +528,15 @@ async def measure(args: argparse.Namespace, tokenizer: Tokenizer, w: Workload, s
         # service sides, this process otherwise): far less sensitive to a busy machine
         # than wall time. psutil's CPU times tick in 10 ms.
         own_cpu = entry.get("server_cpu_s", entry["client_cpu_s"])["median"]
-        entry["tokens_per_cpu_s"] = w.total_tokens / own_cpu if own_cpu > 0 else None
+        entry["tokens_per_cpu_s"] = total_tokens / own_cpu if own_cpu > 0 else None
         if side != "inprocess":
             # paired: each repeat's side over the same repeat's in-process figure
             entry["paired_ratios"] = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(recs, runs["inprocess"])]
         sides_out[side] = entry
-    return {"sides": sides_out, "checks": checks}
+    cpu_base = sides_out["inprocess"].get("tokens_per_cpu_s")
+    for e in sides_out.values():
+        e["cpu_ratio_vs_inprocess"] = e["tokens_per_cpu_s"] / cpu_base if cpu_base and e["tokens_per_cpu_s"] else None
+    return sides_out
 
 
 def check_full_decode(tokenizer: Tokenizer, w: Workload, texts: list[str]) -> dict:
@@ -594,11 +569,8 @@ def profile_sides(tokenizer: Tokenizer, w: Workload, top: int = 25) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    t_start = time.perf_counter()
-
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Start the tokenizer service, build the workload in-process, measure every side, stop the service."""
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="tessera-detok-bench-"))
     service_args = ["--metrics-port", "0"] + (["--model", args.model] if args.model else [])
     service = Service("tokenizer", "tessera_tokenizer", free_port(), service_args, log_dir / "tokenizer.log")
@@ -618,40 +590,26 @@ def main(argv=None) -> int:
         workload = w.describe(tokenizer, expected)
     finally:
         service.stop()
+    return {**result, "workload": workload, "profile": profile, "w": w, "service_log": str(service.log_path)}
 
-    sides = result["sides"]
-    svc = sides["service"]["tokens_per_s"]["median"]
-    inproc = sides["inprocess"]["tokens_per_s"]["median"]
-    ratio = svc / inproc
-    cpu_base = sides["inprocess"].get("tokens_per_cpu_s")
-    for e in sides.values():
-        e["cpu_ratio_vs_inprocess"] = e["tokens_per_cpu_s"] / cpu_base if cpu_base and e["tokens_per_cpu_s"] else None
-    cpu_ratio = sides["service"]["cpu_ratio_vs_inprocess"]
-    engine_tps, engine_src = engine_figure(args)
-    target = svc / engine_tps if engine_tps else None
 
-    # table
+def print_report(args: argparse.Namespace, w: Workload, sides: dict, checks: dict,
+                 engine_tps: float | None, engine_src: str | None, target: float | None) -> None:
     header = ("side", "tok/s median", "min", "max", "x in-proc", "srv cpu s", "cli cpu s", "tok/cpu-s", "x in-proc cpu")
     rows = []
     for side, e in sides.items():
         t = e["tokens_per_s"]
-        rows.append((side, _fmt(t["median"], ",.0f"), _fmt(t["min"], ",.0f"), _fmt(t["max"], ",.0f"),
-                     _fmt(e["ratio_vs_inprocess"], ".3f"),
-                     _fmt(e.get("server_cpu_s", {}).get("median"), ".3f"),
-                     _fmt(e["client_cpu_s"]["median"], ".3f"), _fmt(e.get("tokens_per_cpu_s"), ",.0f"),
-                     _fmt(e.get("cpu_ratio_vs_inprocess"), ".3f")))
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i])  # noqa: E731
-                               for i, c in enumerate(r))
+        rows.append((side, fmt(t["median"], ",.0f"), fmt(t["min"], ",.0f"), fmt(t["max"], ",.0f"),
+                     fmt(e["ratio_vs_inprocess"], ".3f"),
+                     fmt(e.get("server_cpu_s", {}).get("median"), ".3f"),
+                     fmt(e["client_cpu_s"]["median"], ".3f"), fmt(e.get("tokens_per_cpu_s"), ",.0f"),
+                     fmt(e.get("cpu_ratio_vs_inprocess"), ".3f")))
     print(f"DetokenizeStream throughput: {w.n} requests x {w.steps} tokens, one token per request per step, "
           f"medians of {args.repeats} (cores: {os.cpu_count()}, load {os.getloadavg()[0]:.2f})")
-    print(line(header))
-    print(line(["-" * x for x in widths]))
-    for r in rows:
-        print(line(r))
+    for line in format_table(header, rows, rule_per_column=True):
+        print(line)
     print("tok/s: 64 x 512 tokens / wall time; tok/cpu-s: per CPU second of the detokenizing process "
           "(server for service sides), the noise-robust figure on a shared machine")
-    checks = result["checks"]
     for name, c in checks.items():
         status = "OK" if c["ok"] else f"FAILED ({c.get('mismatched_requests', 0)} requests; " \
                                       f"{'; '.join(c['problems'][:3])})"
@@ -664,13 +622,26 @@ def main(argv=None) -> int:
     else:
         print("engine output tokens/s unknown: run benchmarks/engine_throughput.py or pass --engine-tokens-per-s")
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    t_start = time.perf_counter()
+    run = run_benchmark(args)
+    w, sides, checks = run["w"], run["sides"], run["checks"]
+    ratio = sides["service"]["tokens_per_s"]["median"] / sides["inprocess"]["tokens_per_s"]["median"]
+    cpu_ratio = sides["service"]["cpu_ratio_vs_inprocess"]
+    engine_tps, engine_src = engine_figure(args)
+    target = sides["service"]["tokens_per_s"]["median"] / engine_tps if engine_tps else None
+    print_report(args, w, sides, checks, engine_tps, engine_src, target)
+
     results = {
         "benchmark": "detokenize_throughput",
         "description": "DetokenizeStream: tokenizer service (own process, loopback gRPC) vs in-process "
                        "IncrementalDetokenizer; one message per engine step, one token per request per step",
         "config": {k: v for k, v in vars(args).items()},
-        "environment": environment(),
-        "workload": workload,
+        "environment": environment(packages=("grpc", "tokenizers")),
+        "workload": run["workload"],
         "build_messages_s": w.build_s,
         "sides": sides,
         "checks": checks,
@@ -681,8 +652,8 @@ def main(argv=None) -> int:
         "target_ratio_vs_engine": target,
         "target": {"min_ratio_vs_engine": TARGET_VS_ENGINE,
                    "met": None if target is None else target >= TARGET_VS_ENGINE},
-        "profile": profile,
-        "service_log": str(service.log_path),
+        "profile": run["profile"],
+        "service_log": run["service_log"],
         "total_s": time.perf_counter() - t_start,
     }
     out = pathlib.Path(args.out)

@@ -7,8 +7,7 @@ tessera_tokenizer on a free loopback port). Each round sends the 64 chat prompts
 benchmarks/common.py concurrently (as 64 requests arriving together at a frontend would),
 --rounds rounds per measurement, sides alternating:
 
-  unary   one TokenizeService/Tokenize call per prompt (grpc.aio), what the frontend did
-          before the tokenize stream: the baseline.
+  unary   one TokenizeService/Tokenize call per prompt (grpc.aio): the baseline.
   stream  tessera_frontend.tokenizer_client.TokenizerClient.tokenize(): every prompt an
           item on the one TokenizeStream call (prompts queued together go as one message).
 
@@ -35,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stack_overhead  # noqa: E402
-from common import environment, measure_usage, median, questions  # noqa: E402
+from common import environment, log, measure_usage, median, questions  # noqa: E402
 from stack_overhead import HOST, StackProcesses  # noqa: E402
 
 from tessera.common import aio  # noqa: E402
@@ -96,9 +95,9 @@ async def measure(args: argparse.Namespace, tokenizer_service: StackProcesses) -
                        "client_cpu_ms_per_prompt": usage.cpu_s / n * 1e3,
                        "wall_ms_per_prompt": usage.wall_s / n * 1e3}
                 runs[side].append(run)
-                print(f"  repeat {repeat} {side:6s}: tokenizer {run['tokenizer_cpu_ms_per_prompt']:.3f} ms CPU, "
-                      f"client {run['client_cpu_ms_per_prompt']:.3f} ms CPU, wall {run['wall_ms_per_prompt']:.3f} ms "
-                      "per prompt", file=sys.stderr, flush=True)
+                log(f"  repeat {repeat} {side:6s}: tokenizer {run['tokenizer_cpu_ms_per_prompt']:.3f} ms CPU, "
+                    f"client {run['client_cpu_ms_per_prompt']:.3f} ms CPU, wall {run['wall_ms_per_prompt']:.3f} ms "
+                    "per prompt")
     finally:
         await client.close()
     return runs

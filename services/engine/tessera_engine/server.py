@@ -10,8 +10,8 @@ turns it NOT_SERVING when the loop dies, and ends every open session with
 UNAVAILABLE so that no request waits forever on a dead loop. The same truth is on
 the metrics port's HTTP /health.
 
-Test-only fault injection: with the environment variable TESSERA_ENGINE_FAULT_AFTER_STEPS=N
-the core loop raises instead of running step N+1 (tests kill the loop that way).
+Test-only fault injection (tessera_engine.fault_injection): with the environment variable
+TESSERA_ENGINE_FAULT_AFTER_STEPS=N the core loop raises instead of running step N+1.
 """
 from __future__ import annotations
 
@@ -32,18 +32,18 @@ from tessera.common.grpc_service import Health
 from tessera.common.logs import client_request_id, setup_logging
 from tessera.common.metrics import add_metrics_flag
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tessera_engine import fault_injection
 from tessera_engine.config import EngineConfig
-from tessera_engine.core import (EngineCore, EngineCoreLoop, EngineCoreOutput, EngineStats, IterationStats,
-                                 RequestRejected)
+from tessera_engine.core import EngineCore, EngineCoreLoop, RequestRejected
 from tessera_engine.metrics import EngineMetrics
-from tessera_engine.request import EngineCoreRequest
+from tessera_engine.outputs import EngineCoreOutput, EngineStats, IterationStats, TokenLogprobs
+from tessera_engine.request import EngineCoreRequest, SampleKey
 from tessera_engine.sampling_params import SamplingParams
 
 log = logging.getLogger("tessera.engine")
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
-FAULT_ENV = "TESSERA_ENGINE_FAULT_AFTER_STEPS"  # test-only: the core loop raises after N steps
 LOOP_WATCH_S = 0.25  # how often the watcher checks that the core loop is alive
 _LOOP_DIED = object()  # put on every session queue when the core loop dies
 _INPUTS_ENDED = object()  # put on a session's queue when its client's inputs end
@@ -53,14 +53,13 @@ _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH
            "error": common_pb2.FINISH_REASON_ERROR}
 
 
-def _logprob_entry(entry) -> common_pb2.PositionLogprobs:
+def _logprob_entry(entry: TokenLogprobs | None) -> common_pb2.PositionLogprobs:
     if entry is None:
         return common_pb2.PositionLogprobs()
-    token, lp, rank, top_ids, top_lps = entry
     return common_pb2.PositionLogprobs(
-        chosen=common_pb2.TokenLogprob(token_id=token, logprob=lp, rank=rank),
+        chosen=common_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank),
         top=[common_pb2.TokenLogprob(token_id=t, logprob=l, rank=r + 1)
-             for r, (t, l) in enumerate(zip(top_ids, top_lps))])
+             for r, (t, l) in enumerate(zip(entry.top_ids, entry.top_logprobs))])
 
 
 def output_to_proto(o: EngineCoreOutput) -> engine_pb2.RequestOutput:
@@ -87,10 +86,9 @@ def stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, config: EngineConfig, health: Health, fault_after_steps: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, health: Health) -> None:
         self.config = config
         self.health = health
-        self.fault_after_steps = fault_after_steps
         self.core: EngineCore | None = None
         self.loop_runner: EngineCoreLoop | None = None
         self.metrics: EngineMetrics | None = None
@@ -108,9 +106,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self.core.model_name, self.core.max_model_len, block_size=self.config.block_size,
             num_blocks=self.core.kv_cache.num_blocks, enable_prefix_caching=self.config.enable_prefix_caching)
         self.metrics.record_step(self.core.stats(), None)
-        if self.fault_after_steps is not None:
-            log.warning("fault injection armed: the core loop will die after %d steps", self.fault_after_steps,
-                        extra={"env": FAULT_ENV})
         self.watcher = asyncio.create_task(self._watch_loop(), name="core-loop-watcher")
         await self.health.set(True)
         log.info("engine ready", extra={"model": self.core.model_name, "num_blocks": self.core.kv_cache.num_blocks})
@@ -142,7 +137,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
         def core_thread() -> None:
             try:
-                runner = EngineCoreLoop(EngineCore(self.config), self._on_outputs, self.fault_after_steps)
+                core = EngineCore(self.config)
+                fault_injection.arm_from_env(core)
+                runner = EngineCoreLoop(core, self._on_outputs)
             except BaseException as exc:  # noqa: BLE001 (handed to load(), which raises it)
                 self._aio_loop.call_soon_threadsafe(settle, None, exc)
                 return
@@ -154,7 +151,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return await loaded
 
     # called on the core thread once per loop iteration that did something
-    def _on_outputs(self, step: int, outs: list[EngineCoreOutput], stats: EngineStats,
+    def _on_outputs(self, outs: list[EngineCoreOutput], stats: EngineStats,
                     iteration: IterationStats | None) -> None:
         by_client: dict[str, list[EngineCoreOutput]] = {}
         finished = []
@@ -162,23 +159,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             by_client.setdefault(o.client_id, []).append(o)
             if o.finish_reason is not None:
                 finished.append(o)
-        self._aio_loop.call_soon_threadsafe(self._deliver, step, by_client, stats, iteration, finished)
+        self._aio_loop.call_soon_threadsafe(self._deliver, by_client, stats, iteration, finished)
 
-    def _deliver(self, step: int, by_client: dict, stats: EngineStats, iteration: IterationStats | None,
+    def _deliver(self, by_client: dict, stats: EngineStats, iteration: IterationStats | None,
                  finished: list[EngineCoreOutput]) -> None:
         if self.metrics is not None:  # None only in the instant between the model load and load()'s return
             self.metrics.record_step(stats, iteration)
             for o in finished:
                 self.metrics.record_finished(o)
-        if not by_client:
-            return
-        stats_pb = stats_to_proto(stats)
-        now = time.time()
         for client_id, outs in by_client.items():
             q = self.sessions.get(client_id)
             if q is not None:
-                q.put_nowait(engine_pb2.EngineStepOutputs(
-                    outputs=[output_to_proto(o) for o in outs], step=step, timestamp=now, stats=stats_pb))
+                q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(o) for o in outs]))
 
     def _ready(self, context) -> bool:
         return self.loop_runner is not None and self.loop_runner.alive()
@@ -200,7 +192,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 if msg.abort.request_ids:
                     self.loop_runner.abort(list(msg.abort.request_ids))
                 if msg.abort.samples:
-                    self.loop_runner.abort_samples([(r.request_id, r.index) for r in msg.abort.samples])
+                    self.loop_runner.abort_samples([SampleKey(r.request_id, r.index) for r in msg.abort.samples])
 
         reader = asyncio.create_task(read_inputs())
         # The reader's end (the client closed its side, or it failed) is one more item on the
@@ -233,10 +225,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 raise RequestRejected("INVALID_ARGUMENT", "request_id is empty")
             self.core.check_request(req)
         except RequestRejected as exc:
-            out = EngineCoreOutput(pb.request_id, 0, client_id, [], finish_reason="error",
-                                   num_prompt_tokens=len(req.prompt_token_ids), error=(exc.code, exc.message))
+            out = exc.output(req)
             self.metrics.record_finished(out)  # the request's one log line
-            q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)], timestamp=time.time()))
+            q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)]))
             return
         log.debug("request added", extra={"request_id": client_request_id(pb.request_id),
                                           "engine_request_id": pb.request_id,
@@ -263,7 +254,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_common_flags(p, 50053, "TESSERA_ENGINE_PORT")
     add_flag(p, "--model", "TESSERA_MODEL", None, help="HF directory or GGUF file (default: embedded SmolLM2-135M-Instruct)")
     add_flag(p, "--device", "TESSERA_DEVICE", "auto", help="auto, cpu or cuda")
-    add_flag(p, "--dtype", "TESSERA_DTYPE", "auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+    add_flag(p, "--dtype", "TESSERA_DTYPE", "auto",
+             help="auto (bf16 on CUDA and on CPUs with native bf16: avx512_bf16 / amx_bf16; else fp32), "
+                  "float32, bfloat16, float16")
     add_flag(p, "--max-model-len", "TESSERA_MAX_MODEL_LEN", None, type=int, help="max prompt + output tokens")
     add_flag(p, "--block-size", "TESSERA_BLOCK_SIZE", 16, type=int, help="tokens per KV block")
     add_flag(p, "--kv-cache-gib", "TESSERA_KV_CACHE_GIB", 1.0, type=float, help="KV cache size on CPU (GiB)")
@@ -292,11 +285,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _fault_after_steps() -> int | None:
-    raw = os.environ.get(FAULT_ENV, "").strip()
-    return int(raw) if raw else None
-
-
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -304,7 +292,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
-        idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads)
+        idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads,
+        cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -313,7 +302,7 @@ async def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     config.validate()
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
-    servicer = EngineServicer(config, grpc_server.health, _fault_after_steps())
+    servicer = EngineServicer(config, grpc_server.health)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)
     try:
         await grpc_server.start(args.host, args.port, args.metrics_port)
@@ -343,10 +332,6 @@ def _report_load_failure(task: asyncio.Task) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging("engine", args.log_level)
-    # read by tessera_engine.cpu_kernels
-    os.environ["TESSERA_CPU_KERNELS"] = "1" if args.cpu_kernels else "0"
-    if args.cpu_kernels_prebuilt:
-        os.environ["TESSERA_CPU_KERNELS_PREBUILT"] = args.cpu_kernels_prebuilt
     code = aio.run(serve(args), args.event_loop)
     if code:  # (`python -m tessera_engine` does not pass main's return value on)
         raise SystemExit(code)

@@ -1,5 +1,5 @@
 """Helpers for the metrics and health tests: scrape a /metrics endpoint, read samples,
-read a service's JSON log lines, poll until something holds."""
+read a service's JSON log lines, poll until something holds (an engine's gauges reading idle)."""
 from __future__ import annotations
 
 import json
@@ -84,6 +84,16 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, interval: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def wait_engine_gauges_idle(metrics_url: str, timeout: float = 10.0) -> Scrape:
+    """Scrape an engine's /metrics until its gauges read idle (nothing running or waiting, no KV
+    cache in use): the last step's metrics are recorded. Returns that scrape."""
+    def idle():
+        m = scrape(metrics_url)
+        return m if (m.get("tessera:num_requests_running") == 0 and m.get("tessera:num_requests_waiting") == 0
+                     and m.get("tessera:kv_cache_usage_perc") == 0) else None
+    return wait_for(idle, timeout, "the engine's gauges to read idle")
 
 
 def json_lines(path: pathlib.Path) -> list[dict]:

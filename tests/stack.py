@@ -22,6 +22,10 @@ many modules use it. Environment knobs:
 
 Each service also gets a free metrics port (env TESSERA_METRICS_PORT; `Service.metrics_url`),
 and `Service.env` adds environment variables for one process (e.g. fault injection).
+
+For tests of one engine process: `engine_service(*flags)` starts one and yields it with a
+`stub`, `EngineSession` drives its Session stream, and `wait_engine_idle` polls it until
+nothing runs and every KV block is free.
 """
 from __future__ import annotations
 
@@ -37,12 +41,14 @@ import sys
 import tempfile
 import time
 
+import queue
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tessera.common.grpc_service import CHANNEL_OPTIONS
-from tessera.v1 import engine_pb2_grpc, frontend_pb2_grpc, tokenizer_pb2_grpc
+from tessera.v1 import engine_pb2, engine_pb2_grpc, frontend_pb2_grpc, tokenizer_pb2_grpc
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_TEST_STARTUP_TIMEOUT", "300"))
@@ -86,6 +92,7 @@ class Service:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     host: str = HOST                 # loopback address to bind (127.0.0.x)
     http_port: int | None = None     # a frontend's OpenAI-compatible HTTP API
+    health_seen: set[int] = dataclasses.field(default_factory=set)  # statuses wait_serving saw
 
     @property
     def addr(self) -> str:
@@ -121,7 +128,9 @@ class Service:
                     raise RuntimeError(f"{self.name} exited with status {code} before SERVING; "
                                        f"log tail:\n{self.log_tail()}")
                 try:
-                    if health_status(channel) == health_pb2.HealthCheckResponse.SERVING:
+                    status = health_status(channel)
+                    self.health_seen.add(status)
+                    if status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
                     pass
@@ -163,10 +172,61 @@ def serving(service: Service):
     service.start()
     try:
         service.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
-        with grpc.insecure_channel(service.addr) as channel:
+        with grpc.insecure_channel(service.addr, options=CHANNEL_OPTIONS) as channel:
             yield channel
     finally:
         service.stop()
+
+
+@contextlib.contextmanager
+def engine_service(*flags: str, log_prefix: str = "tessera-engine-"):
+    """An engine process with these flags, SERVING; yields its Service with `stub` (EngineServiceStub)
+    and `channel` set. Its log is engine.log in a new temporary directory."""
+    log = pathlib.Path(tempfile.mkdtemp(prefix=log_prefix)) / "engine.log"
+    service = Service("engine", "tessera_engine", free_port(), list(flags), log)
+    with serving(service) as channel:
+        service.channel = channel
+        service.stub = engine_pb2_grpc.EngineServiceStub(channel)
+        yield service
+
+
+class EngineSession:
+    """An engine Session stream driven from a test: put SessionInputs, read EngineStepOutputs from `call`."""
+
+    def __init__(self, stub, timeout: float | None = 120) -> None:
+        self.inputs: queue.Queue = queue.Queue()
+        self.call = stub.Session(iter(self.inputs.get, None), timeout=timeout)
+
+    def send(self, **fields) -> None:
+        self.inputs.put(engine_pb2.SessionInput(**fields))
+
+    def add(self, *requests: engine_pb2.EngineRequest) -> None:
+        self.send(add=list(requests))
+
+    def abort(self, *request_ids: str) -> None:
+        self.send(abort=engine_pb2.AbortRequests(request_ids=list(request_ids)))
+
+    def run(self, request_ids: set[str]) -> dict[str, dict]:
+        """Read until every id in `request_ids` finished; per id: tokens, prompt and cached tokens, reason."""
+        got = {i: {"tokens": [], "cached": 0, "reason": 0, "prompt": 0} for i in request_ids}
+        done: set[str] = set()
+        for message in self.call:
+            for o in message.outputs:
+                g = got[o.request_id]
+                g["tokens"].extend(o.new_token_ids)
+                g["cached"] = max(g["cached"], o.num_cached_tokens)
+                g["prompt"] = o.num_prompt_tokens
+                if o.finish_reason:
+                    g["reason"] = o.finish_reason
+                    done.add(o.request_id)
+            if done == request_ids:
+                return got
+        raise AssertionError(f"stream ended before {request_ids - done} finished")
+
+    def close(self) -> None:
+        """The client goes away: end the input stream and cancel the call."""
+        self.inputs.put(None)
+        self.call.cancel()
 
 
 class Stack:
@@ -237,15 +297,20 @@ def stack():
         _shared = None
 
 
-def wait_engine_idle(engine_stub, seconds: float = 3.0):
-    """Poll an engine until nothing runs or waits and every KV block is free; return its last EngineStats."""
-    from tessera.v1 import engine_pb2
+def engine_idle(stats: engine_pb2.EngineStats) -> bool:
+    """Nothing runs or waits and every KV block is free."""
+    return stats.num_running == 0 and stats.num_waiting == 0 and stats.num_blocks_free == stats.num_blocks_total
 
+
+def wait_engine_idle(engine_stub, seconds: float = 3.0, require: bool = False) -> engine_pb2.EngineStats:
+    """Poll an engine until it is idle (engine_idle) or `seconds` pass; return its last EngineStats.
+    With require=True an engine still busy after `seconds` fails the test."""
     deadline = time.monotonic() + seconds
     while True:
         stats = engine_stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
-        idle = (stats.num_running == 0 and stats.num_waiting == 0
-                and stats.num_blocks_free == stats.num_blocks_total)
-        if idle or time.monotonic() > deadline:
+        if engine_idle(stats):
+            return stats
+        if time.monotonic() > deadline:
+            assert not require, f"engine not idle after {seconds:g}s: {stats}"
             return stats
         time.sleep(0.05)

@@ -3,22 +3,14 @@ reflection, the Session stream (batched per-step outputs, per-request errors
 that leave other requests alone, abort, closing the stream frees the blocks)."""
 from __future__ import annotations
 
-import queue
-import threading
-import time
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tessera.common.grpc_service import CHANNEL_OPTIONS
-from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tessera.v1 import common_pb2, engine_pb2
 
-from stack import Service, free_port, health_status
-
-import pathlib
-import tempfile
+from stack import EngineSession, engine_service, health_status, wait_engine_idle
 
 NUM_BLOCKS = 64
 MAX_LEN = 512
@@ -26,59 +18,12 @@ MAX_LEN = 512
 
 @pytest.fixture(scope="module")
 def engine():
-    log = pathlib.Path(tempfile.mkdtemp(prefix="tessera-engine-")) / "engine.log"
-    svc = Service("engine", "tessera_engine", free_port(),
-                  ["--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_LEN)], log)
-    svc.start()
-    seen = set()
-    deadline = time.monotonic() + 300
-    with grpc.insecure_channel(svc.addr) as ch:
-        while True:
-            assert svc.process.poll() is None, svc.log_tail()
-            try:
-                status = health_status(ch)
-                seen.add(status)
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, svc.log_tail()
-            time.sleep(0.1)
-    svc.health_seen = seen
-    channel = grpc.insecure_channel(svc.addr, options=CHANNEL_OPTIONS)
-    svc.stub = engine_pb2_grpc.EngineServiceStub(channel)
-    svc.channel = channel
-    yield svc
-    channel.close()
-    svc.stop()
-
-
-class Session:
-    """A Session stream driven from a test: put SessionInputs, read EngineStepOutputs."""
-
-    def __init__(self, stub) -> None:
-        self.inputs: queue.Queue = queue.Queue()
-        self.call = stub.Session(iter(self.inputs.get, None))
-
-    def send(self, **kw) -> None:
-        self.inputs.put(engine_pb2.SessionInput(**kw))
-
-    def close(self) -> None:
-        self.inputs.put(None)
+    with engine_service("--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_LEN)) as service:
+        yield service
 
 
 def greedy(max_tokens: int, **kw):
     return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-def wait_idle(stub, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = stub.GetStats(engine_pb2.GetStatsRequest())
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_blocks_free == stats.num_blocks_total:
-            return stats
-        assert time.monotonic() < deadline, f"engine not idle: {stats}"
-        time.sleep(0.05)
 
 
 def test_health_went_from_not_serving_to_serving(engine):
@@ -100,7 +45,7 @@ def test_info(engine):
 
 
 def test_session_batches_steps_and_isolates_bad_requests(engine):
-    s = Session(engine.stub)
+    s = EngineSession(engine.stub, timeout=None)
     good = [engine_pb2.EngineRequest(request_id=f"g{i}", prompt_token_ids=[1, 2, 3 + i], sampling_params=greedy(6),
                                      eos_token_ids=[2]) for i in range(3)]
     bad = [
@@ -110,7 +55,7 @@ def test_session_batches_steps_and_isolates_bad_requests(engine):
                                  sampling_params=common_pb2.SamplingParams(temperature=-1)),
         engine_pb2.EngineRequest(request_id="", prompt_token_ids=[1, 2], sampling_params=greedy(4)),
     ]
-    s.send(add=good[:1] + bad + good[1:])
+    s.add(*good[:1], *bad, *good[1:])
     errors, tokens, finished, multi = {}, {}, set(), 0
     for msg in s.call:
         if sum(1 for o in msg.outputs if o.new_token_ids) > 1:
@@ -132,26 +77,25 @@ def test_session_batches_steps_and_isolates_bad_requests(engine):
     assert errors[""][0] == "INVALID_ARGUMENT" and "request_id" in errors[""][1]
     assert all(1 <= len(tokens[f"g{i}"]) <= 6 for i in range(3))
     assert multi > 0, "one step message should carry several requests"
-    wait_idle(engine.stub)
+    wait_engine_idle(engine.stub, seconds=10, require=True)
 
 
 def test_abort_and_closing_the_session_free_blocks(engine):
-    s = Session(engine.stub)
-    s.send(add=[engine_pb2.EngineRequest(request_id=f"long{i}", prompt_token_ids=[1, 2, 3, 4, 5],
-                                         sampling_params=common_pb2.SamplingParams(
-                                             temperature=0.8, max_tokens=400, ignore_eos=True))
-                for i in range(4)])
+    s = EngineSession(engine.stub, timeout=None)
+    s.add(*(engine_pb2.EngineRequest(request_id=f"long{i}", prompt_token_ids=[1, 2, 3, 4, 5],
+                                     sampling_params=common_pb2.SamplingParams(
+                                         temperature=0.8, max_tokens=400, ignore_eos=True))
+            for i in range(4)))
     got, aborted, sent = set(), set(), False
     for msg in s.call:
         got |= {o.request_id for o in msg.outputs if o.new_token_ids}
         aborted |= {o.request_id for o in msg.outputs if o.finish_reason == common_pb2.FINISH_REASON_ABORT}
         if not sent and got == {f"long{i}" for i in range(4)}:
-            s.send(abort=engine_pb2.AbortRequests(request_ids=["long0", "long1"]))
+            s.abort("long0", "long1")
             sent = True
         if aborted == {"long0", "long1"}:
             break
     stats = engine.stub.GetStats(engine_pb2.GetStatsRequest())
     assert stats.num_running == 2
     s.close()  # the client goes away: the other two are aborted too
-    s.call.cancel()
-    wait_idle(engine.stub)
+    wait_engine_idle(engine.stub, seconds=10, require=True)

@@ -5,20 +5,14 @@ finish reasons), the gauges follow the scheduler, and /health agrees with gRPC h
 from __future__ import annotations
 
 import json
-import pathlib
-import queue
-import tempfile
-import time
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from metrics_util import health_http, json_lines, scrape, wait_for
-from stack import Service, free_port, health_status
-from tessera.common.grpc_service import CHANNEL_OPTIONS
+from metrics_util import health_http, json_lines, scrape, wait_engine_gauges_idle, wait_for
+from stack import EngineSession, engine_service, health_status, wait_engine_idle
 from tessera.common.metrics import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS
-from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tessera.v1 import common_pb2, engine_pb2
 
 NUM_BLOCKS = 24   # 384 tokens: four long requests must preempt
 BLOCK_SIZE = 16
@@ -39,75 +33,15 @@ ENGINE_METRICS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    log = pathlib.Path(tempfile.mkdtemp(prefix="tessera-engine-metrics-")) / "engine.log"
-    svc = Service("engine", "tessera_engine", free_port(),
-                  ["--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-                   "--max-model-len", str(MAX_LEN)], log)
-    svc.start()
-    channel = grpc.insecure_channel(svc.addr, options=CHANNEL_OPTIONS)
-
-    svc.wait_serving(time.monotonic() + 300)
-    svc.stub = engine_pb2_grpc.EngineServiceStub(channel)
-    svc.channel = channel
-    yield svc
-    channel.close()
-    svc.stop()
-
-
-class Session:
-    """A Session stream driven from a test."""
-
-    def __init__(self, stub) -> None:
-        self.inputs: queue.Queue = queue.Queue()
-        self.call = stub.Session(iter(self.inputs.get, None), timeout=120)
-
-    def add(self, *requests: engine_pb2.EngineRequest) -> None:
-        self.inputs.put(engine_pb2.SessionInput(add=list(requests)))
-
-    def abort(self, *ids: str) -> None:
-        self.inputs.put(engine_pb2.SessionInput(abort=engine_pb2.AbortRequests(request_ids=list(ids))))
-
-    def run(self, ids: set[str]) -> dict[str, dict]:
-        """Read until every id in `ids` finished; per id: tokens, steps with tokens, cached, reason."""
-        got = {i: {"tokens": [], "cached": 0, "reason": 0, "prompt": 0} for i in ids}
-        done: set[str] = set()
-        for msg in self.call:
-            for o in msg.outputs:
-                g = got[o.request_id]
-                g["tokens"].extend(o.new_token_ids)
-                g["cached"] = max(g["cached"], o.num_cached_tokens)
-                g["prompt"] = o.num_prompt_tokens
-                if o.finish_reason:
-                    g["reason"] = o.finish_reason
-                    done.add(o.request_id)
-            if done == ids:
-                return got
-        raise AssertionError(f"stream ended before {ids - done} finished")
-
-    def close(self) -> None:
-        self.inputs.put(None)
-        self.call.cancel()
+    with engine_service("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                        "--max-model-len", str(MAX_LEN), log_prefix="tessera-engine-metrics-") as service:
+        yield service
 
 
 def request(rid: str, prompt: list[int], max_tokens: int) -> engine_pb2.EngineRequest:
     return engine_pb2.EngineRequest(
         request_id=rid + SUFFIX, prompt_token_ids=prompt,
         sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def wait_idle(engine) -> engine_pb2.EngineStats:
-    def idle():
-        s = engine.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
-        return s if (s.num_running == 0 and s.num_waiting == 0 and s.num_blocks_free == s.num_blocks_total) else None
-    return wait_for(idle, 30, "the engine to be idle")
-
-
-def wait_gauges_idle(engine):
-    def idle():
-        m = scrape(engine.metrics_url)
-        return m if (m.get("tessera:num_requests_running") == 0 and m.get("tessera:num_requests_waiting") == 0
-                     and m.get("tessera:kv_cache_usage_perc") == 0) else None
-    return wait_for(idle, 10, "the engine's gauges to read idle")
 
 
 def finished_lines(engine) -> dict[str, list[dict]]:
@@ -139,17 +73,17 @@ def test_metrics_endpoint_and_health_agree(engine):
 
 
 def test_counters_and_histograms_move_by_what_was_streamed(engine):
-    wait_idle(engine)
+    wait_engine_idle(engine.stub, seconds=30, require=True)
     before = scrape(engine.metrics_url)
     shared = list(range(100, 140))  # 40 tokens: two full blocks reusable by the prefix cache
-    s = Session(engine.stub)
+    s = EngineSession(engine.stub)
     s.add(request("mA", shared, 8), request("mB", list(range(300, 320)), 8))
     got = s.run({"mA" + SUFFIX, "mB" + SUFFIX})
     s.add(request("mC", shared, 8))  # after mA finished: its prompt blocks are cached
     got.update(s.run({"mC" + SUFFIX}))
     s.close()
-    wait_idle(engine)
-    after = wait_gauges_idle(engine)
+    wait_engine_idle(engine.stub, seconds=30, require=True)
+    after = wait_engine_gauges_idle(engine.metrics_url)
     d = after - before
 
     tokens = sum(len(g["tokens"]) for g in got.values())
@@ -181,9 +115,9 @@ def test_counters_and_histograms_move_by_what_was_streamed(engine):
 
 
 def test_gauges_follow_a_running_request_and_abort_is_counted(engine):
-    wait_idle(engine)
+    wait_engine_idle(engine.stub, seconds=30, require=True)
     before = scrape(engine.metrics_url)
-    s = Session(engine.stub)
+    s = EngineSession(engine.stub)
     s.add(request("mLong", list(range(500, 520)), 200))
     seen = 0
     during = None
@@ -198,24 +132,24 @@ def test_gauges_follow_a_running_request_and_abort_is_counted(engine):
     assert during.get("tessera:num_requests_running") == 1
     assert during.get("tessera:num_requests_waiting") == 0
     assert 0 < during.get("tessera:kv_cache_usage_perc") <= 1
-    after = wait_gauges_idle(engine)
+    after = wait_engine_gauges_idle(engine.metrics_url)
     d = after - before
     assert d.get("tessera:request_success_total", finished_reason="abort") == 1
     assert d.get("tessera:generation_tokens_total") == seen
 
 
 def test_preemptions_are_counted(engine):
-    wait_idle(engine)
+    wait_engine_idle(engine.stub, seconds=30, require=True)
     before_stats = engine.stub.GetStats(engine_pb2.GetStatsRequest())
     before = scrape(engine.metrics_url)
-    s = Session(engine.stub)
+    s = EngineSession(engine.stub)
     # 4 x (30 + 120) tokens need 40 blocks of 16; the pool has 24
     ids = {f"mP{i}" + SUFFIX for i in range(4)}
     s.add(*(request(f"mP{i}", list(range(1000 + 40 * i, 1030 + 40 * i)), 120) for i in range(4)))
     got = s.run(ids)
     s.close()
-    wait_idle(engine)
-    after = wait_gauges_idle(engine)
+    wait_engine_idle(engine.stub, seconds=30, require=True)
+    after = wait_engine_gauges_idle(engine.metrics_url)
     stats = engine.stub.GetStats(engine_pb2.GetStatsRequest())
     d = after - before
     preempted = stats.num_preemptions - before_stats.num_preemptions
@@ -227,7 +161,7 @@ def test_preemptions_are_counted(engine):
 
 def test_rejected_requests_count_as_error(engine):
     before = scrape(engine.metrics_url)
-    s = Session(engine.stub)
+    s = EngineSession(engine.stub)
     s.add(engine_pb2.EngineRequest(request_id="mBad" + SUFFIX, prompt_token_ids=[1, 10 ** 7],
                                    sampling_params=common_pb2.SamplingParams(max_tokens=4)))
     got = s.run({"mBad" + SUFFIX})

@@ -18,7 +18,7 @@ import uuid
 import grpc
 import pytest
 
-from metrics_util import health_http, json_lines, scrape, try_scrape, wait_for
+from metrics_util import health_http, json_lines, scrape, try_scrape, wait_engine_gauges_idle, wait_for
 from stack import stack  # noqa: F401  (the session fixture)
 from tessera.common.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from tessera.v1 import common_pb2, frontend_pb2, tokenizer_pb2
@@ -38,17 +38,8 @@ def _generate(stack, request) -> list[frontend_pb2.GenerateResponse]:
     return list(stack.frontend_stub.Generate(request, timeout=120))
 
 
-def _wait_idle(stack):
-    """The engine's gauges read idle (the last step's metrics are recorded)."""
-    def idle():
-        m = scrape(stack.engine.metrics_url)
-        return m if m.get("tessera:num_requests_running") == 0 and m.get("tessera:num_requests_waiting") == 0 \
-            else None
-    return wait_for(idle, 10, "the engine's gauges to read idle")
-
-
 def test_backend_counters_match_what_the_client_streamed(stack):
-    _wait_idle(stack)
+    wait_engine_gauges_idle(stack.engine.metrics_url)
     engine_before = scrape(stack.engine.metrics_url)
     tokenizer_before = scrape(stack.tokenizer.metrics_url)
     rid = f"obs-{uuid.uuid4().hex[:8]}"
@@ -59,7 +50,7 @@ def test_backend_counters_match_what_the_client_streamed(stack):
         prompt_tokens += responses[-1].usage.prompt_tokens
         assert responses[-1].usage.completion_tokens == 6 + i
     assert streamed == 6 + 7 + 8
-    engine = _wait_idle(stack) - engine_before
+    engine = wait_engine_gauges_idle(stack.engine.metrics_url) - engine_before
 
     assert engine.get("tessera:generation_tokens_total") == streamed
     assert engine.get("tessera:prompt_tokens_total") == prompt_tokens

@@ -9,8 +9,6 @@ a request is read from its "request submitted" log lines (field `engine`).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import json
 import time
 import uuid
 
@@ -18,6 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from metrics_util import json_lines
 from stack import STARTUP_TIMEOUT_S, Service, frontend_service, health_status, stack  # noqa: F401
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 from tessera_frontend.async_llm import AsyncLLM
@@ -61,15 +60,8 @@ def _request(text: str, request_id: str, max_tokens: int = 6) -> frontend_pb2.Ge
 
 def _served_by(frontend: Service, prefix: str) -> dict[str, str]:
     """request id -> engine address, for the frontend's requests whose id starts with `prefix`."""
-    where = {}
-    for line in frontend.log_path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if entry.get("msg") == "request submitted" and str(entry.get("request_id", "")).startswith(prefix):
-            where[entry["request_id"]] = entry["engine"]
-    return where
+    return {entry["request_id"]: entry["engine"] for entry in json_lines(frontend.log_path)
+            if entry.get("msg") == "request submitted" and str(entry.get("request_id", "")).startswith(prefix)}
 
 
 def _run_concurrently(stub, texts: list[str], prefix: str, max_tokens: int = 6) -> list[frontend_pb2.GenerateResult]:

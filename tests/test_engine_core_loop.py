@@ -65,7 +65,7 @@ def run():
         r.stop()
 
 
-def test_a_burst_announced_as_coming_starts_in_one_step(run):
+def test_burst_announced_as_coming_starts_in_one_step(run):
     r = run(2000.0)
     r.add("a")
     r.loop.more_coming(True)
@@ -108,7 +108,7 @@ def test_zero_wait_ignores_the_hint(run):
     assert len(r.events) >= 1
 
 
-def test_a_running_engine_never_waits(run):
+def test_running_engine_never_waits_for_a_burst(run):
     r = run(5000.0)
     r.loop.add(EngineCoreRequest("long", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=120,
                                                                     ignore_eos=True)))

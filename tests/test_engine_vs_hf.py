@@ -22,14 +22,14 @@ def assert_matches_hf(outputs, prompts, hf_greedy, max_new=MAX_NEW, prefix="r"):
 
 
 def test_single_prompts_match_hf(make_core, chat_prompts, hf_greedy):
-    """Issue 2: four prompts, one at a time."""
+    """Four prompts, one at a time."""
     core = make_core()
     for i, p in enumerate(chat_prompts[:4]):
         out = core.generate([EngineCoreRequest(f"r{i}", p, greedy(MAX_NEW))])
         assert out[(f"r{i}", 0)] == hf_greedy(p, MAX_NEW)
 
 
-def test_a_sixteen_mixed_prompts_at_once(make_core, chat_prompts, hf_greedy):
+def test_sixteen_mixed_length_prompts_at_once_match_hf(make_core, chat_prompts, hf_greedy):
     lengths = sorted(len(p) for p in chat_prompts)
     assert lengths[-1] - lengths[0] > 40, "prompts should have mixed lengths"
     core = make_core(enable_prefix_caching=False)
@@ -38,7 +38,7 @@ def test_a_sixteen_mixed_prompts_at_once(make_core, chat_prompts, hf_greedy):
     assert core.stats().num_blocks_free == core.stats().num_blocks_total
 
 
-def test_b_prefix_caching_hits_and_same_output(make_core, hf_tokenizer, hf_greedy):
+def test_shared_system_prompt_hits_the_prefix_cache_and_matches_hf(make_core, hf_tokenizer, hf_greedy):
     system = ("You are a meticulous assistant for a library. Always answer politely, cite the shelf "
               "number when you know it, and keep answers short. The library opens at nine and closes at "
               "six, has three floors, a reading room, and a children's corner with picture books.")
@@ -58,7 +58,7 @@ def test_b_prefix_caching_hits_and_same_output(make_core, hf_tokenizer, hf_greed
     assert after.prefix_cache_queries > before.prefix_cache_queries
 
 
-def test_c_chunked_prefill(make_core, chat_prompts, hf_greedy):
+def test_chunked_prefill_matches_hf(make_core, chat_prompts, hf_greedy):
     core = make_core(max_num_batched_tokens=24, enable_prefix_caching=False)
     prompts = chat_prompts[:8]
     assert max(len(p) for p in prompts) > 24, "the budget must force chunking"
@@ -69,7 +69,7 @@ def test_c_chunked_prefill(make_core, chat_prompts, hf_greedy):
     assert core.step_count - steps_before > sum(len(p) for p in prompts) // 24
 
 
-def test_d_preemption(make_core, chat_prompts, hf_greedy):
+def test_preemption_matches_hf(make_core, chat_prompts, hf_greedy):
     # 8 requests of ~40-80 tokens each: 14 blocks cannot hold them all at once
     prompts = chat_prompts[:8]
     core = make_core(num_kv_blocks=14, enable_prefix_caching=False)
@@ -79,7 +79,7 @@ def test_d_preemption(make_core, chat_prompts, hf_greedy):
     assert core.stats().num_blocks_free == 14
 
 
-def test_d_preemption_with_prefix_caching(make_core, chat_prompts, hf_greedy):
+def test_preemption_with_prefix_caching_matches_hf(make_core, chat_prompts, hf_greedy):
     prompts = chat_prompts[:8]
     core = make_core(num_kv_blocks=14, enable_prefix_caching=True)
     out = core.generate(requests(prompts, greedy(MAX_NEW)))
@@ -87,7 +87,7 @@ def test_d_preemption_with_prefix_caching(make_core, chat_prompts, hf_greedy):
     assert_matches_hf(out, prompts, hf_greedy)
 
 
-def test_e_abort_half_frees_every_block(make_core, chat_prompts):
+def test_aborting_half_the_requests_frees_every_block(make_core, chat_prompts):
     core = make_core()
     total = core.stats().num_blocks_total
     for r in requests(chat_prompts, SamplingParams(temperature=0.8, seed=1, max_tokens=64, ignore_eos=True)):
@@ -107,7 +107,7 @@ def test_e_abort_half_frees_every_block(make_core, chat_prompts):
     assert core.stats().num_running == 0 and core.stats().num_waiting == 0
 
 
-def test_f_seeded_sampling_independent_of_batch(make_core, chat_prompts):
+def test_seeded_sampling_is_independent_of_the_batch(make_core, chat_prompts):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
     target = chat_prompts[3]
     alone = make_core().generate([EngineCoreRequest("t", target, params)])

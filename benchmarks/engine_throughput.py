@@ -51,7 +51,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (StepBreakdown, add_engine_flags, chat_prompts, draw_lengths, engine_config,  # noqa: E402
-                    environment, maxrss_mib, measure_usage, median, summarize, wait_for_quiet)
+                    environment, fmt, format_table, log, maxrss_mib, measure_usage, median, summarize,
+                    wait_for_quiet)
 
 from tessera.common.model_source import resolve_model  # noqa: E402
 from tessera_engine.core import EngineCore  # noqa: E402
@@ -67,10 +68,6 @@ TARGETS = {
     "single.decode_ratio_vs_hf": 2.3,
     "mixed.ratio_vs_hf_static": 2.5,
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- arguments ---------------------------------------------------------------------
@@ -504,10 +501,6 @@ def profile_batch64(bench: Bench, prompts: list[list[int]]) -> dict:
 
 
 # -- report ---------------------------------------------------------------------------------
-def _fmt(x, spec: str, scale: float = 1.0) -> str:
-    return "-" if x is None or x != x else format(x * scale, spec)
-
-
 def print_table(results: dict) -> None:
     rows = []
 
@@ -515,9 +508,9 @@ def print_table(results: dict) -> None:
         if not side:
             return
         m = {k: v["median"] for k, v in side.items() if isinstance(v, dict) and "median" in v}
-        rows.append((label, _fmt(m.get("tokens_per_s"), ".1f"), _fmt(m.get("ttft_median_s"), ".3f"),
-                     _fmt(m.get("tpot_median_s"), ".1f", 1e3), _fmt(m.get("peak_rss_mib"), ".0f"),
-                     _fmt(ratio, ".2f") + ("x" if ratio else "")))
+        rows.append((label, fmt(m.get("tokens_per_s"), ".1f"), fmt(m.get("ttft_median_s"), ".3f"),
+                     fmt(m.get("tpot_median_s"), ".1f", 1e3), fmt(m.get("peak_rss_mib"), ".0f"),
+                     fmt(ratio, ".2f") + ("x" if ratio else "")))
 
     sc = results["scenarios"]
     if "batch64" in sc:
@@ -533,13 +526,8 @@ def print_table(results: dict) -> None:
     if "mixed" in sc:
         add("mixed engine", sc["mixed"]["engine"], sc["mixed"].get("ratio_vs_hf_static"))
         add("mixed hf-static", sc["mixed"].get("hf"))
-    head = ("scenario", "out tok/s", "TTFT s", "TPOT ms", "RSS MiB", "ratio")
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
-    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    for line in format_table(("scenario", "out tok/s", "TTFT s", "TPOT ms", "RSS MiB", "ratio"), rows):
+        print(line)
     print("(medians over repeats; ratio = engine/HF tokens/s, single: HF TPOT / engine TPOT (decode))")
 
 
@@ -575,17 +563,30 @@ def _noisy_runs(results: dict, threshold: float) -> list[str]:
     return found
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    bench = Bench(args)
-    prompts = chat_prompts(bench.tok, args.num_prompts)
-    log(f"loaded in {sum(bench.load_s.values()):.1f} s; {torch.get_num_threads()} threads; dtype {args.dtype}; "
-        f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
-    bench.warmup(prompts)
-    log(f"warm-up done in {bench.load_s['warmup']:.1f} s")
+def run_scenarios(bench: Bench, prompts: list[list[int]]) -> dict:
+    """Each scenario of --scenarios in order (scale reuses batch64's engine runs at 64); name -> its results."""
+    args = bench.args
+    sc: dict = {}
+    for name in args.scenarios:
+        reps = args.repeats_for[name]
+        if name == "batch64":
+            sc["batch64"] = scenario_batch64(bench, prompts, reps)
+        elif name == "single":
+            sc["single"] = scenario_single(bench, prompts[2], reps)
+        elif name == "scale":
+            reuse = None
+            if "batch64" in sc:
+                reuse = sc["batch64"]["engine_runs"]
+            sc["scale"] = scenario_scale(bench, reps, reuse)
+        elif name == "mixed":
+            sc["mixed"] = scenario_mixed(bench, reps)
+    return sc
 
-    results: dict = {
+
+def describe_run(bench: Bench) -> dict:
+    """The results file's header: command, environment, model, engine settings, baseline, metric definitions."""
+    args = bench.args
+    return {
         "benchmark": "engine_throughput",
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "environment": environment(),
@@ -608,39 +609,21 @@ def main(argv=None) -> int:
         },
         "scenarios": {},
     }
-    sc = results["scenarios"]
-    for name in args.scenarios:
-        reps = args.repeats_for[name]
-        if name == "batch64":
-            sc["batch64"] = scenario_batch64(bench, prompts, reps)
-        elif name == "single":
-            sc["single"] = scenario_single(bench, prompts[2], reps)
-        elif name == "scale":
-            reuse = None
-            if "batch64" in sc:
-                reuse = sc["batch64"]["engine_runs"]
-            sc["scale"] = scenario_scale(bench, reps, reuse)
-        elif name == "mixed":
-            sc["mixed"] = scenario_mixed(bench, reps)
-    if args.profile:
-        results["profile_batch64"] = profile_batch64(bench, prompts)
-    results["targets"] = evaluate_targets(results)
-    noisy = _noisy_runs(results, args.quiet_cores)
-    results["noisy_runs"] = {"threshold_foreign_cores": args.quiet_cores, "count": len(noisy), "runs": noisy}
-    results["process_max_rss_mib"] = maxrss_mib()
-    results["total_s"] = time.perf_counter() - t_start
 
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+
+def headline_ratio(sc: dict) -> float | None:
+    """batch64's engine/HF ratio, else the first of mixed and scale that has one."""
     headline = sc.get("batch64", {}).get("ratio_vs_hf_static")
     if headline is None:  # fall back to whichever scenario has a baseline
         for name in ("mixed", "scale"):
             headline = sc.get(name, {}).get("ratio_vs_hf_static")
             if headline is not None:
                 break
-    results["ratio_vs_hf_static"] = headline
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    return headline
 
+
+def print_report(results: dict, out: pathlib.Path, quiet_cores: float) -> None:
+    """The table, the profile (if any), each target, the noisy-run warning and the headline line."""
     print()
     print_table(results)
     if "profile_batch64" in results:
@@ -654,11 +637,40 @@ def main(argv=None) -> int:
         val = f"{val:.2f}" if isinstance(val, float) else json.dumps({a: round(b, 1) for a, b in val.items()}) \
             if isinstance(val, dict) else val
         print(f"target {k}: {val} ({v['target']}) {'MET' if v['met'] else 'MISSED'}")
+    noisy = results["noisy_runs"]["runs"]
     if noisy:
-        print(f"WARNING: {len(noisy)} measurement(s) ran while other processes used > {args.quiet_cores} cores: "
+        print(f"WARNING: {len(noisy)} measurement(s) ran while other processes used > {quiet_cores} cores: "
               + ", ".join(noisy))
     print(f"saved {out} (total {results['total_s']:.0f} s)")
-    print(f"ratio_vs_hf_static={_fmt(headline, '.2f') if headline is not None else 'nan'}")
+    headline = results["ratio_vs_hf_static"]
+    print(f"ratio_vs_hf_static={fmt(headline, '.2f') if headline is not None else 'nan'}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    bench = Bench(args)
+    prompts = chat_prompts(bench.tok, args.num_prompts)
+    log(f"loaded in {sum(bench.load_s.values()):.1f} s; {torch.get_num_threads()} threads; dtype {args.dtype}; "
+        f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")
+    bench.warmup(prompts)
+    log(f"warm-up done in {bench.load_s['warmup']:.1f} s")
+
+    results = describe_run(bench)
+    results["scenarios"] = run_scenarios(bench, prompts)
+    if args.profile:
+        results["profile_batch64"] = profile_batch64(bench, prompts)
+    results["targets"] = evaluate_targets(results)
+    noisy = _noisy_runs(results, args.quiet_cores)
+    results["noisy_runs"] = {"threshold_foreign_cores": args.quiet_cores, "count": len(noisy), "runs": noisy}
+    results["process_max_rss_mib"] = maxrss_mib()
+    results["total_s"] = time.perf_counter() - t_start
+    results["ratio_vs_hf_static"] = headline_ratio(results["scenarios"])
+
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print_report(results, out, args.quiet_cores)
     if args.strict and not all(v["met"] for v in results["targets"].values()):
         return 1
     return 0

@@ -83,8 +83,8 @@ import torch  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_engine_flags, engine_config, environment, measure_usage, median, questions,  # noqa: E402
-                    wait_for_quiet)
+from common import (add_engine_flags, engine_config, environment, log, measure_usage, median,  # noqa: E402
+                    questions, wait_for_quiet)
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tests.stack
 from tests.stack import free_port  # noqa: E402
@@ -100,10 +100,6 @@ from tessera_engine.sampling_params import SamplingParams  # noqa: E402
 REPO = pathlib.Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 TARGETS = {"stack_vs_inprocess": 0.95, "ttft_added_ms": 10.0}
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -409,69 +405,60 @@ def _summary(t0: float, t_end: float, sent: list[float], first: list[float | Non
             "foreign_cores": usage.foreign_cores, "own_cpu_s": usage.cpu_s, "_tokens": tokens}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    placement = Placement(args.placement)
-    if placement.engine is not None and not args.threads:
-        args.threads = len(placement.engine)  # one torch thread per engine core, on both sides
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = engine_config(args, device=args.device)
-    log(f"loading the model in-process ({config.resolved_dtype()}, {config.resolved_device()}) ...")
-    loaded = load_model(args.model, args.block_size, None, config.resolved_dtype(), config.resolved_device())
+class Sides:
+    """The three sides over one running stack: measure each, warm them up, run the repeats and the
+    isolated-request probes. `new_core` makes a fresh in-process EngineCore."""
 
-    def new_core() -> EngineCore:
-        return EngineCore(config, loaded)
+    def __init__(self, args: argparse.Namespace, placement: Placement, stack: StackProcesses, new_core) -> None:
+        self.args, self.placement, self.stack, self.new_core = args, placement, stack, new_core
+        self.names = ["inprocess", "stack"] + ([] if args.no_engine_side else ["engine"])
+        self.tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(grpc.insecure_channel(stack.addr("tokenizer")))
 
-    stack = StackProcesses(args, placement)
-    if placement.engine is not None:
-        log(f"placement split: engines on cores {placement.engine} ({args.threads} torch threads), "
-            f"client, frontend and tokenizer on {placement.others}")
-    log(f"starting the stack (logs in {stack.log_dir}) ...")
-    stack.start(args.startup_timeout)
-    sides = ["inprocess", "stack"] + ([] if args.no_engine_side else ["engine"])
-    results: dict = {side: [] for side in sides}
-    probes: dict = {}
-    matches = []
-    try:
-        tokenizer = tokenizer_pb2_grpc.TokenizerServiceStub(grpc.insecure_channel(stack.addr("tokenizer")))
+    def token_ids(self, prompts: list[tokenizer_pb2.ChatMessages]) -> list[list[int]]:
+        """The tokenizer service's token ids of these chats (what the in-process and engine sides are given)."""
+        return [list(self.tokenizer.Tokenize(tokenizer_pb2.TokenizeRequest(chat=c), timeout=30).token_ids)
+                for c in prompts]
 
-        def token_ids(prompts: list[tokenizer_pb2.ChatMessages]) -> list[list[int]]:
-            return [list(tokenizer.Tokenize(tokenizer_pb2.TokenizeRequest(chat=c), timeout=30).token_ids)
-                    for c in prompts]
+    def measure(self, side: str, repeat: int, prompts, ids) -> dict:
+        args, stack = self.args, self.stack
+        self.placement.pin_self("engine" if side == "inprocess" else "client")
+        if side == "inprocess":
+            return run_inprocess(self.new_core, ids, args.output_tokens)
+        before = stack.cpu_seconds()
+        if side == "engine":
+            result = aio.run(run_engine_direct(stack.addr("engine"), ids, args.output_tokens, f"e{repeat}"),
+                             args.event_loop)
+        else:
+            result = aio.run(run_stack(stack.addr("frontend"), prompts, args.output_tokens), args.event_loop)
+            if result["prompt_tokens"] != [len(p) for p in ids]:
+                raise RuntimeError("the stack saw different prompt lengths than the in-process side")
+        after = stack.cpu_seconds()
+        result["cpu_s"] = {"client": result["own_cpu_s"]} | {
+            name: after[name] - before[name] for name in after if name in before}
+        return result
 
-        def measure(side: str, repeat: int, prompts, ids) -> dict:
-            placement.pin_self("engine" if side == "inprocess" else "client")
-            if side == "inprocess":
-                return run_inprocess(new_core, ids, args.output_tokens)
-            before = stack.cpu_seconds()
-            if side == "engine":
-                result = aio.run(run_engine_direct(stack.addr("engine"), ids, args.output_tokens, f"e{repeat}"),
-                                 args.event_loop)
-            else:
-                result = aio.run(run_stack(stack.addr("frontend"), prompts, args.output_tokens), args.event_loop)
-                if result["prompt_tokens"] != [len(p) for p in ids]:
-                    raise RuntimeError("the stack saw different prompt lengths than the in-process side")
-            after = stack.cpu_seconds()
-            result["cpu_s"] = {"client": result["own_cpu_s"]} | {
-                name: after[name] - before[name] for name in after if name in before}
-            return result
-
+    def warm_up(self) -> None:
         log("warm-up (every side) ...")
         warm = chats(-1, 8)
-        placement.pin_self("engine")
-        run_inprocess(new_core, token_ids(warm), 8)
-        placement.pin_self("client")
-        aio.run(run_stack(stack.addr("frontend"), warm, 8), args.event_loop)
+        self.placement.pin_self("engine")
+        run_inprocess(self.new_core, self.token_ids(warm), 8)
+        self.placement.pin_self("client")
+        aio.run(run_stack(self.stack.addr("frontend"), warm, 8), self.args.event_loop)
 
+    def run_repeats(self) -> tuple[dict[str, list[dict]], list[float]]:
+        """--repeats rounds of every side (who goes first rotates): (runs per side, per round the
+        fraction of requests whose greedy output is the same on the in-process and stack sides)."""
+        args, sides = self.args, self.names
+        results: dict = {side: [] for side in sides}
+        matches = []
         for repeat in range(args.repeats):
             order = sides[repeat % len(sides):] + sides[:repeat % len(sides)]  # rotate who goes first
             for k, side in enumerate(order):
                 # A fresh system message per measurement: the stack engine's prefix cache never helps.
                 prompts = chats(repeat * 10 + k, args.num_prompts)
-                ids = token_ids(prompts)
+                ids = self.token_ids(prompts)
                 wait_for_quiet(args.wait_quiet, log=log)
-                result = measure(side, repeat, prompts, ids)
+                result = self.measure(side, repeat, prompts, ids)
                 wrong = [i for i, t in enumerate(result["_tokens"]) if len(t) != args.output_tokens]
                 if wrong:
                     raise RuntimeError(f"{side}: wrong number of tokens for requests {wrong[:5]}")
@@ -485,20 +472,27 @@ def main(argv=None) -> int:
             same = sum(len(set(map(tuple, pair))) == 1 for pair in zip(
                 results["inprocess"][-1]["_tokens"], results["stack"][-1]["_tokens"]))
             matches.append(same / args.num_prompts)
+        return results, matches
 
-        if args.ttft_probes:
-            wait_for_quiet(args.wait_quiet, log=log)
-            for warm_up in (True, False):
-                base = 900 if warm_up else 1000
-                inprocess_ids = token_ids(chats(base, args.ttft_probes))
-                times = aio.run(probe_both(stack.addr("frontend"), new_core, placement,
-                                           chats(base + 1, args.ttft_probes), inprocess_ids), args.event_loop)
-            probes = {"inprocess": median(times[0]), "stack": median(times[1])}
-            for side in ("inprocess", "stack"):
-                log(f"  isolated requests {side:9s}: TTFT median {probes[side] * 1000:8.1f} ms")
-    finally:
-        stack.stop()
+    def probe_isolated(self) -> dict:
+        """Median TTFT of --ttft-probes isolated requests per side ({} with none), after an untimed pass."""
+        args = self.args
+        if not args.ttft_probes:
+            return {}
+        wait_for_quiet(args.wait_quiet, log=log)
+        for warm_up in (True, False):
+            base = 900 if warm_up else 1000
+            inprocess_ids = self.token_ids(chats(base, args.ttft_probes))
+            times = aio.run(probe_both(self.stack.addr("frontend"), self.new_core, self.placement,
+                                       chats(base + 1, args.ttft_probes), inprocess_ids), args.event_loop)
+        probes = {"inprocess": median(times[0]), "stack": median(times[1])}
+        for side in ("inprocess", "stack"):
+            log(f"  isolated requests {side:9s}: TTFT median {probes[side] * 1000:8.1f} ms")
+        return probes
 
+
+def summarize_runs(sides: list[str], results: dict[str, list[dict]], probes: dict, matches: list[float]) -> dict:
+    """The summary block of the results: medians per side, the ratios, TTFT added, CPU per process, targets."""
     def med(side: str, key: str) -> float:
         return median(r[key] for r in results[side])
 
@@ -520,8 +514,11 @@ def main(argv=None) -> int:
     summary["greedy_outputs_identical_fraction"] = median(matches)
     summary["targets"] = {k: {"target": v, "met": (summary[k] >= v if k == "stack_vs_inprocess" else summary[k] <= v)}
                           for k, v in TARGETS.items()}
+    return summary
 
-    out = pathlib.Path(args.out)
+
+def write_results(out: pathlib.Path, args: argparse.Namespace, placement: Placement, summary: dict,
+                  results: dict[str, list[dict]]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith("_") and k != "prompt_tokens"}  # noqa: E731
     out.write_text(json.dumps({
@@ -538,6 +535,8 @@ def main(argv=None) -> int:
         "environment": environment(),
     }, indent=2))
 
+
+def print_report(args: argparse.Namespace, sides: list[str], summary: dict, out: pathlib.Path) -> None:
     labels = {"inprocess": "in-process engine core", "engine": "engine service alone", "stack": "three-service stack"}
     for side in sides:
         print(f"{labels[side]:23s}: {summary[side + '_tokens_per_s']:8.1f} output tok/s   "
@@ -547,7 +546,7 @@ def main(argv=None) -> int:
               f"stack / engine service: {summary['stack_vs_engine_service']:.3f}")
     print(f"TTFT added by the stack ({args.num_prompts} concurrent): {summary['ttft_added_ms']:.1f} ms "
           f"(target <= {TARGETS['ttft_added_ms']:g})")
-    if probes:
+    if "isolated_ttft_added_ms" in summary:
         print(f"TTFT added by the stack (isolated requests): {summary['isolated_ttft_added_ms']:.1f} ms "
               f"({summary['isolated_ttft_inprocess_ms']:.1f} -> {summary['isolated_ttft_stack_ms']:.1f})")
     if "stack_cpu_s" in summary:
@@ -556,6 +555,39 @@ def main(argv=None) -> int:
     print(f"greedy outputs identical on both sides: {summary['greedy_outputs_identical_fraction']:.0%}")
     print(f"results: {out}")
     print(f"stack_vs_inprocess={summary['stack_vs_inprocess']:.3f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    placement = Placement(args.placement)
+    if placement.engine is not None and not args.threads:
+        args.threads = len(placement.engine)  # one torch thread per engine core, on both sides
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = engine_config(args, device=args.device)
+    log(f"loading the model in-process ({config.resolved_dtype()}, {config.resolved_device()}) ...")
+    loaded = load_model(args.model, args.block_size, None, config.resolved_dtype(), config.resolved_device())
+
+    def new_core() -> EngineCore:
+        return EngineCore(config, loaded)
+
+    stack = StackProcesses(args, placement)
+    if placement.engine is not None:
+        log(f"placement split: engines on cores {placement.engine} ({args.threads} torch threads), "
+            f"client, frontend and tokenizer on {placement.others}")
+    log(f"starting the stack (logs in {stack.log_dir}) ...")
+    stack.start(args.startup_timeout)
+    try:
+        sides = Sides(args, placement, stack, new_core)
+        sides.warm_up()
+        results, matches = sides.run_repeats()
+        probes = sides.probe_isolated()
+    finally:
+        stack.stop()
+    summary = summarize_runs(sides.names, results, probes, matches)
+    out = pathlib.Path(args.out)
+    write_results(out, args, placement, summary, results)
+    print_report(args, sides.names, summary, out)
     return 0
 
 

@@ -394,15 +394,13 @@ class StepBreakdown:
             self._undo.append(lambda: owner.__dict__.pop(attr, None))
 
     def attach(self, core) -> "StepBreakdown":
-        from tessera_engine.attention import PagedAttention
-
         runner = core.executor.runner
-        self._wrap(core, "step", "total_step")
+        self._wrap(core, "run_step", "total_step")
         self._wrap(core.scheduler, "schedule", "scheduler.schedule")
-        self._wrap(core.scheduler, "update_after_step", "scheduler.update_after_step")
+        self._wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
         self._wrap(runner, "_prepare", "runner._prepare (inputs, slots, masks)")
         self._wrap(runner.model, "forward", "model forward excl. attention (matmuls, norms, rope)")
-        self._wrap(PagedAttention, "forward", "attention (cache write, gather, SDPA)")
+        self._wrap(type(runner.attention), "forward", "attention (gather, SDPA / decode kernel)")
         self._wrap(runner.model, "compute_logits", "lm_head (compute_logits)")
         self._wrap(type(runner.sampler), "__call__", "sampler")  # special method: class level
         return self
@@ -415,7 +413,7 @@ class StepBreakdown:
         total = self.totals.get("total_step", 0.0)
         # total_step's exclusive time is what no wrapped phase covers (output building, dict work)
         rows = {k: v for k, v in self.totals.items() if k != "total_step"}
-        rows["other (core.step outputs, runner bookkeeping)"] = total
+        rows["other (outputs, runner bookkeeping)"] = total
         whole = sum(rows.values())
         return {
             "steps": self.counts.get("total_step", 0),

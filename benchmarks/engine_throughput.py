@@ -166,7 +166,7 @@ class Bench:
         self.eos_id = int(eos if eos is not None else 0)
 
         t = time.perf_counter()
-        self.loaded = load_model(args.model, args.block_size, None, self.dtype, self.device)
+        self.loaded = load_model(args.model, None, self.dtype, self.device)
         self.load_s["engine_weights"] = time.perf_counter() - t
 
         self.hf = None

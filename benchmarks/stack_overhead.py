@@ -566,7 +566,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     config = engine_config(args, device=args.device)
     log(f"loading the model in-process ({config.resolved_dtype()}, {config.resolved_device()}) ...")
-    loaded = load_model(args.model, args.block_size, None, config.resolved_dtype(), config.resolved_device())
+    loaded = load_model(args.model, None, config.resolved_dtype(), config.resolved_device())
 
     def new_core() -> EngineCore:
         return EngineCore(config, loaded)

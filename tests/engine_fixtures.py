@@ -56,9 +56,9 @@ def tiny_hf_llama(hidden_size: int = 64, intermediate_size: int = 128, num_layer
     return cfg, HFLlama(cfg).eval()
 
 
-def tiny_loaded(cfg, hf_model, block_size: int = 16, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def tiny_loaded(cfg, hf_model, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """tessera's Llama with the weights of `hf_model` (from tiny_hf_llama), as the engine loads a model."""
-    model = LlamaForCausalLM(cfg, block_size, cfg.max_position_embeddings)
+    model = LlamaForCausalLM(cfg, cfg.max_position_embeddings)
     model.load_hf_state_dict(hf_model.state_dict())
     return LoadedModel(model.to(dtype=dtype).eval(), cfg, "tiny", cfg.max_position_embeddings)
 
@@ -83,7 +83,7 @@ def chat_prompts(hf_tokenizer):
 
 @pytest.fixture(scope="session")
 def loaded_fp32():
-    return load_model(None, 16, None, torch.float32, torch.device("cpu"))
+    return load_model(None, None, torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="session")

@@ -107,7 +107,12 @@ class Service:
         return f"http://{self.host}:{self.metrics_port}"
 
     def start(self) -> None:
-        env = {**os.environ, "TESSERA_BIND_HOST": self.host, "PYTHONUNBUFFERED": "1",
+        # Engines under test run in float32 unless a test says otherwise: tests compare a
+        # request's text across batch compositions, and bf16 (the default on this CPU) rounds
+        # differently in a batch than alone, which flips a near-tie now and then.
+        # (The container test runs the images at their defaults.)
+        dtype = {"TESSERA_DTYPE": "float32"} if self.module == "tessera_engine" else {}
+        env = {**dtype, **os.environ, "TESSERA_BIND_HOST": self.host, "PYTHONUNBUFFERED": "1",
                "TESSERA_METRICS_PORT": str(self.metrics_port), **self.env}
         with open(self.log_path, "ab") as log:  # a restarted process appends to its log
             self.process = subprocess.Popen(

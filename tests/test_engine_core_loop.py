@@ -31,7 +31,8 @@ class _Run:
         self.loop = EngineCoreLoop(core, self._on_outputs)
         self.loop.start()
 
-    def _on_outputs(self, step, outs, stats, iteration) -> None:
+    def _on_outputs(self, outs, stats, iteration) -> None:
+        step = iteration.step if iteration is not None else None  # None: no step ran (an abort)
         self.events.append((time.monotonic(), step, {o.request_id for o in outs if o.new_token_ids}))
 
     def add(self, request_id: str) -> None:

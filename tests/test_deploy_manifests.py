@@ -4,7 +4,7 @@
 - every kustomize overlay renders with `kubectl kustomize` and passes
   `kubernetes-validate --strict`; the base's shape (headless engine Service, probes,
   resources, HPA, PDB, NetworkPolicy) is checked;
-- every Dockerfile passes hadolint;
+- every Dockerfile passes hadolint and runs the shared builder steps of docker/build-venv.sh;
 - every container of compose and of the overlays is read as the image would run it
   (Dockerfile ENTRYPOINT / CMD / ENV, then the manifest's command, args and environment):
   each TESSERA_* variable must be one of its service's flags with a value the flag accepts;
@@ -412,6 +412,11 @@ def test_dockerfile_shape(kind):
     assert "tessera" in image.healthcheck[-1] and "health" in image.healthcheck[-1]
     assert image.entrypoint == [f"tessera-{kind}"]
     console_script_module(kind, image.entrypoint[0])
+    # The builder steps all images share are docker/build-venv.sh's, run for this service.
+    runs = [rest for word, rest in instructions if word == "RUN"]
+    for step in (f"deps {kind}", "stubs", f"install {kind}"):
+        assert any(f"build-venv.sh {step}" in run for run in runs), f"no `build-venv.sh {step}` step"
+    assert not any("generate.py" in run or "pip check" in run for run in runs), "a shared step copied inline"
     # Everything the Dockerfile copies from the context passes .dockerignore's allow-list.
     ignore = (ROOT / ".dockerignore").read_text()
     for word, rest in instructions:

@@ -262,3 +262,11 @@ def test_auto_dtype_is_bf16_where_the_cpu_computes_it_natively(monkeypatch):
     assert EngineConfig(device="cpu", dtype="float32").dtype_choice() == (torch.float32, "set by --dtype")
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         EngineConfig(dtype="int8").resolved_dtype()
+
+
+def test_token_budget_defaults_by_device_and_takes_an_explicit_value():
+    assert EngineConfig(device="cpu").token_budget() == 512
+    assert EngineConfig(device="cpu", max_num_batched_tokens=4096).token_budget() == 4096
+    assert make_scheduler().token_budget == 512
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        EngineConfig(max_num_batched_tokens=0).validate()

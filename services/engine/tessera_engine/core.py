@@ -56,6 +56,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
+        log.info("scheduler ready", extra={"token_budget": self.scheduler.token_budget,
+                                           "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
         self.step_count = 0
 
     # -- intake ----------------------------------------------------------------

@@ -61,6 +61,7 @@ class Scheduler:
         self.kv = kv_cache
         self.max_model_len = max_model_len
         self.priority = config.scheduling_policy == "priority"
+        self.token_budget = config.token_budget()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[SampleKey, Request] = {}
@@ -127,7 +128,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         now = time.time()
@@ -177,7 +178,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, num_new, num_cached, self.kv.block_table(req)))
             budget -= num_new
 
-        return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
+        return SchedulerOutput(scheduled, preempted, self.token_budget - budget)
 
     def update_from_output(self, sched: SchedulerOutput, result: "ModelRunnerOutput"
                            ) -> tuple[list[EngineCoreOutput], int]:

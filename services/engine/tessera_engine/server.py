@@ -265,7 +265,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--num-kv-blocks", "TESSERA_NUM_KV_BLOCKS", None, type=int, help="explicit KV pool size in blocks")
     add_flag(p, "--enable-prefix-caching", "TESSERA_ENABLE_PREFIX_CACHING", True, type=bool, help="reuse cached prefix blocks")
     add_flag(p, "--max-num-seqs", "TESSERA_MAX_NUM_SEQS", 256, type=int, help="cap on running sequences")
-    add_flag(p, "--max-num-batched-tokens", "TESSERA_MAX_NUM_BATCHED_TOKENS", 2048, type=int, help="token budget per step")
+    add_flag(p, "--max-num-batched-tokens", "TESSERA_MAX_NUM_BATCHED_TOKENS", None, type=int,
+             help="token budget per step (default: 512 on CPU, 2048 on CUDA)")
     add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
     add_flag(p, "--idle-batch-wait-ms", "TESSERA_IDLE_BATCH_WAIT_MS", 50.0, type=float,
              help="an idle engine told that more requests are coming (a burst) waits this long at most for "

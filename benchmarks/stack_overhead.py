@@ -45,12 +45,13 @@ CPU seconds per run of each process (stack and engine sides; the client is this 
 the services are read from /proc): where the CPU the engine shares its cores with goes.
 
 Placement (--placement):
-  split   (default) the cores are divided as separate pods would have them: both engines
+  split   the cores are divided as separate pods would have them: both engines
           (the in-process one and the engine service) get all cores but the last, with a
           torch thread per core; the client, the frontend and the tokenizer get the last core.
           The in-process side runs on the same cores as the stack's engine, so the ratio is
           the cost of the split itself. Needs at least 2 cores.
-  shared  every process may run on every core: the engine's torch threads share the
+  shared  (default: as `make run` and compose run the stack on one machine) every process
+          may run on every core: the engine's torch threads share the
           machine's cores with the client, the frontend and the tokenizer. On a small
           machine their CPU (about 1.8 s per run on 2 cores) preempts one of the engine's
           OpenMP threads and the other one spins at the next barrier, so this measures
@@ -115,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the frontend's --stream-interval (tokens per streamed message after the first)")
     ap.add_argument("--event-loop", default="auto", choices=aio.EVENT_LOOPS,
                     help="event loop of the stack's services and of this gRPC client")
-    ap.add_argument("--placement", default="split", choices=("split", "shared"),
+    ap.add_argument("--placement", default="shared", choices=("split", "shared"),
                     help="shared: every process on every core; split: the engines on all cores but the "
                          "last, the client, frontend and tokenizer on the last (see above)")
     ap.add_argument("--ttft-probes", type=int, default=16, help="isolated requests per side for TTFT (0: none)")

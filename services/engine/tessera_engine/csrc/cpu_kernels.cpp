@@ -153,6 +153,18 @@ struct DecodeShape {
 };
 
 #if defined(__AVX512F__)
+// Asks for the next block's rows of heads [h0, h1) while this block is computed: a step's
+// K/V reads come from DRAM (the weights pass through the cache between layers), one
+// scattered block at a time.
+template <typename T>
+inline void prefetch_block(const T* cache, int64_t base, int64_t n, int64_t h0, int64_t h1, const DecodeShape& sh) {
+  const int64_t bytes = (h1 - h0) * sh.d * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < n; ++o) {
+    const char* row = reinterpret_cast<const char*>(cache + (base + o) * sh.kv_row + h0 * sh.d);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
 // Heads [h0, h1) of one sequence. NV = d / 16 vectors per row. Blocks outer, heads
 // inner: a block's rows are read from memory once for all the heads of the range.
 template <typename T, int NV>
@@ -164,6 +176,7 @@ void attend_vec(const T* q, int64_t q_head, const T* kc, const T* vc, const int6
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t base = table[t0 / bs] * bs;
     const int64_t n = std::min(bs, L - t0);
+    if (t0 + bs < L) prefetch_block(kc, table[t0 / bs + 1] * bs, std::min(bs, L - t0 - bs), h0, h1, sh);
     for (int64_t h = h0; h < h1; ++h) {
       __m512 qv[16][NV];
       for (int64_t j = 0; j < g; ++j)
@@ -184,9 +197,11 @@ void attend_vec(const T* q, int64_t q_head, const T* kc, const T* vc, const int6
   }
   for (int64_t j = 0; j < nh * g; ++j) softmax_inplace(scores + j * L, L);
   std::fill(acc, acc + nh * g * sh.d, 0.f);
+  prefetch_block(vc, table[0] * bs, std::min(bs, L), h0, h1, sh);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const int64_t base = table[t0 / bs] * bs;
     const int64_t n = std::min(bs, L - t0);
+    if (t0 + bs < L) prefetch_block(vc, table[t0 / bs + 1] * bs, std::min(bs, L - t0 - bs), h0, h1, sh);
     for (int64_t h = h0; h < h1; ++h) {
       const float* sc = scores + (h - h0) * g * L;
       float* ah = acc + (h - h0) * g * sh.d;

@@ -497,6 +497,7 @@ async def test_a_bug_in_delivery_fails_that_steps_requests_only():
     result = await feed(processor, output("broken", ids("Hello"), logprobs=[lp]), output("fine", ids("Hello")))
     assert sorted(result.reqs_to_abort) == ["broken", "fine"]
     assert taken(broken)[-1].failure.code == grpc.StatusCode.INTERNAL
+    assert taken(fine)[-1].failure.code == grpc.StatusCode.INTERNAL
     # Later steps are delivered again.
     add(processor, "next")
     await feed(processor, output("next", ids(" the")))

@@ -198,9 +198,7 @@ class Scheduler:
                 continue  # a prefill chunk short of the prompt's end
             req.append_output_token(token)
             if req.check_stop(self.max_model_len):
-                self.running.remove(req)
-                self.kv.free(req)
-                self.requests.pop(req.key, None)
+                self.finish(req, req.status)
             if req.first_token_time is None:
                 req.first_token_time = now
                 num_prompt_tokens += req.num_prompt_tokens

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 

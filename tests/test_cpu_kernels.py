@@ -230,21 +230,6 @@ def test_engine_with_kernels_equals_engine_with_torch_ops(dtype):
     assert with_kernels == without
 
 
-@pytest.mark.skipif(K is None or not hasattr(K, "gemv_bf16"), reason="needs a CPU with AVX512-BF16")
-@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (577, 1536, True), (3, 40, True), (49152, 576, False)])
-def test_gemv_bf16_matches_float32_reference(n, k, bias):
-    torch.manual_seed(6)
-    x, w = torch.randn(1, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
-    b = torch.randn(n).to(torch.bfloat16) if bias else None
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    out = K.gemv_bf16(x, w, b)
-    assert out.shape == (1, n) and out.dtype == torch.bfloat16
-    # float32 accumulation, one rounding to bf16 at the end (half an ulp: 2^-8 relative)
-    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-3)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        K.gemv_bf16(x.float(), w.float(), None)
-
-
 def test_cpu_kernels_flag_and_env(monkeypatch):
     """--cpu-kernels (env TESSERA_CPU_KERNELS) reaches EngineConfig; nothing else reads the env."""
     from tessera_engine.server import config_from_args, parse_args

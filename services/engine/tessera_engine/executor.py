@@ -25,7 +25,8 @@ class UniProcExecutor:
         log.info("dtype chosen", extra={"dtype": str(self.dtype).removeprefix("torch."), "why": why})
         torch.manual_seed(config.seed)
         if loaded is None:
-            loaded = load_model(config.model, config.max_model_len, self.dtype, self.device)
+            loaded = load_model(config.model, config.max_model_len, self.dtype, self.device,
+                                keep_quantized=config.quantized_max_rows(self.dtype) > 0)
         self.model, self.hf_config, self.model_name, self.max_model_len = loaded
         if config.max_model_len:  # a shared model may allow more than this engine is configured for
             self.max_model_len = min(config.max_model_len, self.max_model_len)

@@ -56,8 +56,7 @@ def select_backends(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
     else:
         attention = CpuKernelAttention(kernels, config.block_size, num_kv_heads, dtype, device)
         ops = CpuKernelOps(kernels)
-    log.info("backend chosen", extra={"attention": attention.name, "ops": ops.name, "why": why,
-                                      "gemv": ops.gemv is not None})
+    log.info("backend chosen", extra={"attention": attention.name, "ops": ops.name, "why": why})
     return attention, ops
 
 
@@ -75,7 +74,12 @@ class ModelRunner:
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(hf_config.num_hidden_layers)]
         self.attention, self.ops = select_backends(config, hf_config.num_key_value_heads, dtype, device)
-        model.use_backend(self.attention, self.ops)
+        q_max_rows = config.quantized_max_rows(dtype)
+        paths = model.use_backend(self.attention, self.ops, q_max_rows)
+        log.info("linear layers", extra={"paths": paths, "quantized_max_rows": q_max_rows if
+                                         set(paths) - {"dense"} else 0,
+                                         "why": "--gguf-dequantize" if config.gguf_dequantize else
+                                         "GGUF Q4_0/Q4_1/Q8_0 weights run quantized up to quantized_max_rows rows"})
         self.sampler = Sampler(self.vocab_size, device, self.ops)
         self._arange_bs = torch.arange(config.block_size, device=device)
 

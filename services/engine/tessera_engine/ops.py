@@ -2,8 +2,8 @@
 
 TorchOps computes with torch ops, rounding as HF transformers does; CpuKernelOps runs
 the same ops in tessera's fused CPU kernels (tessera_engine.cpu_kernels: one pass each,
-rounding where the torch ops round) and, on a CPU with AVX512-BF16, single-row bf16
-linears as a GEMV. The model runner picks one (see ModelRunner) and hands it to the
+rounding where the torch ops round), and has the matmul and embedding lookup for GGUF
+block-quantized weights. The model runner picks one (see ModelRunner) and hands it to the
 model's layers and the sampler.
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 class TorchOps:
     name = "torch"
-    gemv = None  # single-row linear (x [1, k], weight, bias) -> [1, n]; None: the layer's own matmul
+    qlinear = None     # (x [M, K], quantized weight bytes, ggml type, bias) -> [M, N]; None: dense only
+    qembedding = None  # (ids [T], quantized table bytes, ggml type, K, dtype) -> [T, K]
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,7 +44,8 @@ class CpuKernelOps(TorchOps):
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
-        self.gemv = getattr(kernels, "gemv_bf16", None)  # built only where the CPU has AVX512-BF16
+        self.qlinear = kernels.qlinear
+        self.qembedding = kernels.qembedding
 
     def rms_norm(self, x, weight, eps):
         if x.dtype != weight.dtype:

@@ -276,6 +276,9 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="fused C++ kernels on CPU (built with gcc at install or first start; torch ops where they cannot be)")
     add_flag(p, "--cpu-kernels-prebuilt", "TESSERA_CPU_KERNELS_PREBUILT", None,
              help="load the fused CPU kernels from this module file instead of building them (the engine image)")
+    add_flag(p, "--gguf-dequantize", "TESSERA_GGUF_DEQUANTIZE", False, type=bool,
+             help="GGUF: dequantize every weight at load (default: Q4_0 / Q4_1 / Q8_0 weights stay as the file "
+                  "has them and the CPU kernels' quantized matmul runs small batches on them)")
     add_metrics_flag(p, "engine")
     args = p.parse_args(argv)
     try:  # a bad setting is a usage error (exit 2, the flag's message), not a traceback at start
@@ -293,7 +296,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
         idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads,
-        cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt)
+        cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
+        gguf_dequantize=args.gguf_dequantize)
 
 
 async def serve(args: argparse.Namespace) -> int:

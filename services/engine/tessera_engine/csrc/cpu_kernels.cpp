@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -35,9 +36,12 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 
 template <>
 inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  // bits moved with memcpy, not through a uint32_t pointer: float and uint32_t may not alias
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &u, 4);
+  }
 }
 
 template <typename T>
@@ -48,7 +52,6 @@ inline void from_float(const float* src, T* dst, int64_t n) {
 template <>
 inline void from_float<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
   // round to nearest even, as torch's float -> bfloat16 conversion (NaN -> 0x7FC0)
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
   uint16_t* d = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -62,7 +65,8 @@ inline void from_float<c10::BFloat16>(const float* src, c10::BFloat16* dst, int6
   }
 #endif
   for (; i < n; ++i) {
-    uint32_t u = s[i];
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     d[i] = std::isnan(src[i]) ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>(rounded);
   }
@@ -538,59 +542,292 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// ---- bf16 matrix-vector product (decode of one sequence) -------------------------------
-// y = x W^T (+ bias) for one row x [1, K], W [N, K] row-major, bfloat16. With one row the
-// matmul is a memory-bound pass over W: AVX512-BF16 dot products (float32 accumulation)
-// over four weight rows at a time, prefetching eight rows ahead, with none of a GEMM
-// library's per-call set-up; ~25 GB/s here against ~17 for oneDNN's packed GEMM.
-#if defined(__AVX512BF16__)
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() && w.dim() == 2 && w.is_contiguous(),
-              "gemv_bf16: contiguous x [1, K] and W [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16");
-  const int64_t K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "gemv_bf16: x and W disagree on K");
-  const c10::BFloat16* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "gemv_bf16: bias [N] bfloat16");
-    bp = bias->data_ptr<c10::BFloat16>();
+// ---- GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), used as they are -----------------
+// A quantized weight is llama.cpp's own bytes, uint8 [N, K / 32 * block bytes]: each row is
+// K / 32 blocks of 32 weights, a float16 scale d (and, for Q4_1, a float16 minimum m) and the
+// quants. Each block is dequantized as gguf-py's reference does it, in float32 and in its
+// order (Q4_1: d * q, then + m; no fused multiply-add), then rounded to the activations'
+// dtype: the weights the matmul sees are bit for bit those of the dequantized-at-load path,
+// and only the summation order differs. A thread dequantizes four weight rows at a time into
+// a buffer that stays in L1 and runs every activation row against them.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+
+constexpr int64_t q_block_bytes(int64_t qt) {
+  switch (qt) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: TORCH_CHECK(false, "quantized weight: unsupported ggml type ", qt, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
   }
-  at::Tensor out = at::empty({1, N}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const int64_t full = K / 32, tail = K % 32;
-  const __mmask32 tail_mask = tail ? ((1u << tail) - 1u) : 0u;
-  const int64_t groups = (N + 3) / 4;
-  at::parallel_for(0, groups, 8, [&](int64_t gb, int64_t ge) {
-    for (int64_t g = gb; g < ge; ++g) {
-      const int64_t n0 = g * 4, rows = std::min<int64_t>(4, N - n0);
-      const uint16_t* wr[4];
-      for (int r = 0; r < 4; ++r) wr[r] = wp + (n0 + std::min<int64_t>(r, rows - 1)) * K;
-      // eight rows ahead, when they exist
-      const uint16_t* pf = wp + std::min<int64_t>(n0 + 8, N - 1) * K;
-      const int64_t pf_rows = std::min<int64_t>(4, N - std::min<int64_t>(n0 + 8, N - 1));
+  return 0;
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// One block -> 32 float32, exactly as gguf-py's dequantize_blocks. Kept out of line with
+// contraction off so that d * q + m is two roundings, as numpy's.
+__attribute__((noinline, optimize("fp-contract=off")))
+void dequant_block_scalar(const uint8_t* b, int64_t qt, float* out) {
+  const float d = half_to_float(b);
+  if (qt == kQ8_0) {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(qs[j]) * d;
+  } else if (qt == kQ4_0) {
+    const uint8_t* qs = b + 2;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>(static_cast<int>(qs[j] & 15) - 8);
+      out[j + 16] = d * static_cast<float>(static_cast<int>(qs[j] >> 4) - 8);
+    }
+  } else {
+    const float m = half_to_float(b + 2);
+    const uint8_t* qs = b + 4;
+    for (int j = 0; j < 16; ++j) {
+      const float lo = d * static_cast<float>(qs[j] & 15), hi = d * static_cast<float>(qs[j] >> 4);
+      out[j] = lo + m;
+      out[j + 16] = hi + m;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The same in registers: weights 0..15 in lo, 16..31 in hi. The _round_ forms are never
+// contracted into a fused multiply-add.
+template <int64_t qt>
+inline void dequant_block16x2(const uint8_t* b, __m512& lo, __m512& hi) {
+  constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 d = _mm512_set1_ps(half_to_float(b));
+  if constexpr (qt == kQ8_0) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    lo = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d, kRn);
+    hi = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d, kRn);
+    return;
+  }
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (qt == kQ4_1 ? 4 : 2)));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(q, nib));
+  __m512i ih = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), nib));
+  if constexpr (qt == kQ4_0) {
+    const __m512i eight = _mm512_set1_epi32(8);
+    lo = _mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(il, eight)), kRn);
+    hi = _mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ih, eight)), kRn);
+  } else {
+    const __m512 m = _mm512_set1_ps(half_to_float(b + 2));
+    lo = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(il), kRn), m, kRn);
+    hi = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(ih), kRn), m, kRn);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+inline __m512 bcast_half(const uint8_t* p) { return _mm512_set1_ps(half_to_float(p)); }
+
+// One block -> 32 bfloat16 in a register. A 4-bit block has 16 possible weights: they are
+// computed once (as dequant_block16x2 would, then rounded) and looked up by each nibble.
+template <int64_t qt>
+inline __m512i dequant_block_bf16(const uint8_t* b) {
+  constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  if constexpr (qt == kQ8_0) {
+    __m512 lo, hi;
+    dequant_block16x2<qt>(b, lo, hi);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 d = bcast_half(b);
+  __m512 t;
+  if constexpr (qt == kQ4_0) t = _mm512_mul_round_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)), kRn);
+  else t = _mm512_add_round_ps(_mm512_mul_round_ps(d, iota, kRn), bcast_half(b + 2), kRn);
+  const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(t));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (qt == kQ4_1 ? 4 : 2)));
+  const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
+}
+
+#endif
+
+// A weight row's blocks -> K values of the activations' dtype (float, or bfloat16 bits).
+template <typename T, int64_t qt>
+inline void dequant_row(const uint8_t* row, int64_t nb, T* out) {
+  const int64_t bb = q_block_bytes(qt);
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint8_t* b = row + j * bb;
+#if defined(__AVX512F__)
+    __m512 lo, hi;
+    if constexpr (std::is_same_v<T, float>) {
+      dequant_block16x2<qt>(b, lo, hi);
+      _mm512_storeu_ps(out + 32 * j, lo);
+      _mm512_storeu_ps(out + 32 * j + 16, hi);
+    } else {
+#if defined(__AVX512BF16__)
+      _mm512_storeu_si512(out + 32 * j, dequant_block_bf16<qt>(b));
+      continue;
+#endif
+      dequant_block16x2<qt>(b, lo, hi);
+      float tmp[32];
+      _mm512_storeu_ps(tmp, lo);
+      _mm512_storeu_ps(tmp + 16, hi);
+      from_float(tmp, out + 32 * j, 32);
+    }
+#else
+    float tmp[32];
+    dequant_block_scalar(b, qt, tmp);
+    if constexpr (std::is_same_v<T, float>) std::memcpy(out + 32 * j, tmp, sizeof(tmp));
+    else from_float(tmp, out + 32 * j, 32);
+#endif
+  }
+}
+
+// y[m, n0 + r] for r < rows: dots of x's rows with the dequantized rows in w (stride K).
+template <typename T>
+void dot_rows(const T* x, int64_t M, int64_t K, const T* w, int64_t rows, int64_t N, int64_t n0,
+              const float* bias, T* y, float* xbuf, float* wbuf) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w);
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m * K);
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t c = 0; c < full; ++c) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + 32 * c);
-        for (int64_t r = 0; r < pf_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + 32 * c), _MM_HINT_T0);
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + k);
         for (int r = 0; r < 4; ++r)
-          acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(wr[r] + 32 * c));
-      }
-      if (tail) {
-        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, xp + 32 * full);
-        for (int r = 0; r < 4; ++r)
-          acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wr[r] + 32 * full));
+          if (r < rows) acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(wp + r * K + k));
       }
       float res[4];
-      for (int64_t r = 0; r < rows; ++r) res[r] = _mm512_reduce_add_ps(acc[r]) + (bp ? static_cast<float>(bp[n0 + r]) : 0.f);
-      from_float(res, op + n0, rows);
+      for (int64_t r = 0; r < rows; ++r) res[r] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[n0 + r] : 0.f);
+      from_float(res, y + m * N + n0, rows);
     }
+    return;
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xp = x + m * K;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t k = 0; k < K; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(xp + k);
+        for (int r = 0; r < 4; ++r)
+          if (r < rows) acc[r] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + r * K + k), acc[r]);
+      }
+      float res[4];
+      for (int64_t r = 0; r < rows; ++r) res[r] = _mm512_reduce_add_ps(acc[r]) + (bias ? bias[n0 + r] : 0.f);
+      std::memcpy(y + m * N + n0, res, rows * sizeof(float));
+    }
+    return;
+  }
+#endif
+  // portable: float32 dots over float copies (the weights already rounded to T)
+  for (int64_t r = 0; r < rows; ++r) to_float(w + r * K, wbuf + r * K, K);
+  for (int64_t m = 0; m < M; ++m) {
+    to_float(x + m * K, xbuf, K);
+    float res[4];
+    for (int64_t r = 0; r < rows; ++r) res[r] = dot(xbuf, wbuf + r * K, K) + (bias ? bias[n0 + r] : 0.f);
+    from_float(res, y + m * N + n0, rows);
+  }
+}
+
+// runs f(std::integral_constant<int64_t, QT>{}) for a supported ggml type
+template <typename F>
+void dispatch_qtype(int64_t qt, F&& f) {
+  switch (qt) {
+    case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+    default: TORCH_CHECK(false, "quantized weight: unsupported ggml type ", qt, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+  }
+}
+
+void check_quantized(const at::Tensor& wq, int64_t qt, int64_t K, const char* what) {
+  TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(),
+              what, ": the quantized weight is a contiguous uint8 [N, row bytes]");
+  TORCH_CHECK(K > 0 && K % 32 == 0, what, ": K must be a multiple of 32, got ", K);
+  TORCH_CHECK(wq.size(1) == K / 32 * q_block_bytes(qt), what, ": ", wq.size(1),
+              " bytes a row do not hold K = ", K, " weights of ggml type ", qt);
+}
+
+// y = x W^T (+ bias) with W block-quantized: x [M, K] float32 or bfloat16 -> [M, N] of x's dtype.
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& wq, int64_t qt, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: contiguous x [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0), nb = K / 32;
+  check_quantized(wq, qt, K, "qlinear");
+  std::vector<float> bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "qlinear: bias [N]");
+    at::Tensor bf = bias->to(at::kFloat).contiguous();
+    bias_f.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + N);
+  }
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+  at::Tensor out = at::empty({M, N}, x.options());
+  const uint8_t* wp = wq.data_ptr<uint8_t>();
+  const int64_t row_bytes = wq.size(1);
+  auto run = [&](auto tag) { dispatch_qtype(qt, [&](auto qtag) {
+    using T = decltype(tag);
+    constexpr int64_t QT = decltype(qtag)::value;
+    const T* xp = x.data_ptr<T>();
+    T* yp = out.data_ptr<T>();
+    at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t gb, int64_t ge) {
+      std::vector<T> w(4 * K);
+      std::vector<float> xbuf(K), wbuf(4 * K);
+      for (int64_t g = gb; g < ge; ++g) {
+        const int64_t n0 = g * 4, rows = std::min<int64_t>(4, N - n0);
+        for (int64_t r = 0; r < rows; ++r) dequant_row<T, QT>(wp + (n0 + r) * row_bytes, nb, w.data() + r * K);
+        dot_rows(xp, M, K, w.data(), rows, N, n0, bp, yp, xbuf.data(), wbuf.data());
+      }
+    });
+  }); };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
+  else TORCH_CHECK(false, "qlinear: activations must be float32 or bfloat16, got ", x.scalar_type());
+  return out;
+}
+
+// Rows `ids` of a block-quantized embedding table -> [T, K] of `dtype` (float32 or bfloat16).
+at::Tensor qembedding(const at::Tensor& ids, const at::Tensor& wq, int64_t qt, int64_t K, at::ScalarType dtype) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "qembedding: ids [T] int64");
+  check_quantized(wq, qt, K, "qembedding");
+  at::Tensor idc = ids.contiguous();
+  const int64_t T = idc.size(0), V = wq.size(0), nb = K / 32, row_bytes = wq.size(1);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "qembedding: id ", ip[t], " outside [0, ", V, ")");
+  at::Tensor out = at::empty({T, K}, ids.options().dtype(dtype));
+  const uint8_t* wp = wq.data_ptr<uint8_t>();
+  auto run = [&](auto tag) { dispatch_qtype(qt, [&](auto qtag) {
+    using T_ = decltype(tag);
+    constexpr int64_t QT = decltype(qtag)::value;
+    T_* op = out.data_ptr<T_>();
+    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) dequant_row<T_, QT>(wp + ip[t] * row_bytes, nb, op + t * K);
+    });
+  }); };
+  if (dtype == at::kFloat) run(float{});
+  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
+  else TORCH_CHECK(false, "qembedding: dtype must be float32 or bfloat16, got ", dtype);
+  return out;
+}
+
+// One weight row block-quantized -> float32 (tests, and the dequantized path's own check).
+at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K) {
+  check_quantized(wq, qt, K, "qdequantize");
+  const int64_t N = wq.size(0), nb = K / 32, row_bytes = wq.size(1);
+  at::Tensor out = at::empty({N, K}, wq.options().dtype(at::kFloat));
+  const uint8_t* wp = wq.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  dispatch_qtype(qt, [&](auto qtag) {
+    constexpr int64_t QT = decltype(qtag)::value;
+    at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+      for (int64_t n = b; n < e; ++n) dequant_row<float, QT>(wp + n * row_bytes, nb, op + n * K);
+    });
   });
   return out;
 }
-#endif
 
 }  // namespace
 
@@ -604,9 +841,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection", nogil);
   m.def("rope_and_cache_", &rope_and_cache_, "rotary on q and k in place; k and v written to the cache", nogil);
-#if defined(__AVX512BF16__)
-  m.def("gemv_bf16", &gemv_bf16, "bf16 x W^T (+ bias) for one row x", nogil);
-#endif
+  m.def("qlinear", &qlinear, "x W^T (+ bias), W block-quantized (GGUF Q4_0, Q4_1, Q8_0)", nogil);
+  m.def("qembedding", &qembedding, "rows of a block-quantized embedding table", nogil);
+  m.def("qdequantize", &qdequantize, "a block-quantized weight as float32", nogil);
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum", nogil);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; RMSNorm(residual)", nogil);
 }

@@ -12,6 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from tessera_engine.attention import AttentionMetadata, PagedAttention, TorchAttention
+from tessera_engine.models.quantized import QuantizedWeight
 from tessera_engine.models.rotary import RotaryEmbedding
 from tessera_engine.ops import TorchOps
 
@@ -58,18 +59,23 @@ class PackedWeight:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose bf16 CPU matmul runs on a prepacked weight (see PackedWeight), and
-    for a single row (one sequence decoding) on the ops backend's GEMV when it has one
-    (`gemv`, set by use_backend): a memory-bound pass over the weight."""
+    """nn.Linear whose bf16 CPU matmul runs on a prepacked weight (see PackedWeight), and,
+    where the layer has the checkpoint's block-quantized weight (`qweight`, GGUF) and the
+    ops backend a kernel for it (`qlinear`, set by use_backend), on that for batches of up
+    to `q_max_rows` rows: a decode of a few sequences is a pass over the weights, and the
+    quantized pass reads ~0.6 bytes a weight instead of 2 or 4."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._pw = PackedWeight()
-        self.gemv = None
+        self.qweight: QuantizedWeight | None = None
+        self.qlinear = None
+        self.q_max_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.shape[0] == 1 and x.dim() == 2 and x.dtype == self.weight.dtype:
-            return self.gemv(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
+        if self.qlinear is not None and x.dim() == 2 and x.shape[0] <= self.q_max_rows:
+            return self.qlinear(x if x.is_contiguous() else x.contiguous(), self.qweight.data,
+                                self.qweight.qtype, self.bias)
         return self._pw.linear(x, self.weight, self.bias)
 
 
@@ -156,34 +162,79 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, max_positions)
         self._tied_pw = PackedWeight()
+        self.embed_q: QuantizedWeight | None = None  # the checkpoint's quantized embedding table
+        self.qembedding = None  # the ops backend's lookup in it, when used (use_backend)
+        self.tied_qlinear = None  # the ops backend's qlinear for the tied lm_head, when used
+        self.tied_q_max_rows = 0
         self.attention: TorchAttention | None = None  # set by use_backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Flat batch of T tokens → final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = (self.embed_tokens(input_ids) if self.qembedding is None else
+             self.qembedding(input_ids, self.embed_q.data, self.embed_q.qtype, self.config.hidden_size,
+                             self.embed_tokens.weight.dtype))
         cos, sin = self.attention.rotary_tables(self.rotary, x.dtype, positions)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
-    def use_backend(self, attention: TorchAttention, ops: TorchOps) -> None:
-        """The model runner's attention and op backends, for every layer."""
+    def use_backend(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int = 0) -> dict:
+        """The model runner's attention and op backends, for every layer; layers with a
+        quantized weight use the backend's qlinear for up to q_max_rows rows (0: never).
+        Returns how many linear layers took each path ("Q4_1": 210, "dense": 1, ...)."""
         self.attention = attention
+        paths: dict[str, int] = {}
+        qlinear = getattr(ops, "qlinear", None) if q_max_rows > 0 else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, LlamaMLP)):
                 m.ops = ops
             elif isinstance(m, LlamaAttention):
                 m.backend = attention
             elif isinstance(m, Linear):
-                on_cpu_bf16 = m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
-                m.gemv = ops.gemv if on_cpu_bf16 else None
+                usable = (qlinear is not None and m.qweight is not None
+                          and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
+                          and self.embed_tokens.weight.device.type == "cpu")
+                m.qlinear, m.q_max_rows = (qlinear, q_max_rows) if usable else (None, 0)
+                kind = m.qweight.type_name if usable else "dense"
+                paths[kind] = paths.get(kind, 0) + 1
+        use_tied = (qlinear is not None and self.embed_q is not None and self.lm_head is None
+                    and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
+                    and self.embed_tokens.weight.device.type == "cpu")
+        self.qembedding = getattr(ops, "qembedding", None) if use_tied else None
+        self.tied_qlinear, self.tied_q_max_rows = (qlinear, q_max_rows) if use_tied else (None, 0)
+        if self.lm_head is None:
+            kind = self.embed_q.type_name if use_tied else "dense"
+            paths[kind] = paths.get(kind, 0) + 1
+        return paths
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden)
+        if self.tied_qlinear is not None and hidden.shape[0] <= self.tied_q_max_rows:
+            return self.tied_qlinear(hidden if hidden.is_contiguous() else hidden.contiguous(),
+                                     self.embed_q.data, self.embed_q.qtype, None)
         return self._tied_pw.linear(hidden, self.embed_tokens.weight, None)
+
+    def load_quantized(self, weights: dict[str, QuantizedWeight]) -> None:
+        """Attach the checkpoint's block-quantized weights (HF names, see models/quantized.py)
+        to the layers they belong to, fused as the dense ones are (QKV, gate/up); a layer whose
+        parts are not all quantized in one type keeps only its dense weight."""
+        get = lambda name: weights.get(name) or weights.get("model." + name)  # noqa: E731
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj.qweight = QuantizedWeight.concat(
+                [get(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
+            attn.o_proj.qweight = get(p + "self_attn.o_proj.weight")
+            mlp.gate_up_proj.qweight = QuantizedWeight.concat(
+                [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            mlp.down_proj.qweight = get(p + "mlp.down_proj.weight")
+        if self.lm_head is not None:
+            self.lm_head.qweight = weights.get("lm_head.weight")
+        else:
+            self.embed_q = get("embed_tokens.weight")
 
     # -- weights -----------------------------------------------------------------
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

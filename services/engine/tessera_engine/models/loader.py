@@ -14,6 +14,7 @@ import torch
 
 from tessera.common.model_source import ModelSource, resolve_model
 from tessera_engine.models.llama import LlamaForCausalLM
+from tessera_engine.models.quantized import read_gguf_quantized
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
-               device: torch.device) -> LoadedModel:
+               device: torch.device, keep_quantized: bool = True) -> LoadedModel:
+    """keep_quantized: also keep a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as the file has them
+    (models/quantized.py), for the CPU kernels' quantized matmul; CPU only."""
     src = resolve_model(model)
     hf_config = load_hf_config(src)
     if hf_config.model_type not in SUPPORTED:
@@ -70,8 +73,13 @@ def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
     state = _gguf_state_dict(src, hf_config) if src.gguf_file else _safetensors_state_dict(src.directory)
     net = LlamaForCausalLM(hf_config, max_len)
     net.load_hf_state_dict(state)
+    del state
+    quantized = {}
+    if src.gguf_file and keep_quantized and device.type == "cpu":
+        quantized = read_gguf_quantized(str(src.path), hf_config)
+        net.load_quantized(quantized)
     net = net.to(device=device, dtype=dtype).eval()
     net.requires_grad_(False)
     log.info("model loaded", extra={"model": src.name, "dtype": str(dtype), "device": str(device),
-                                    "max_model_len": max_len})
+                                    "max_model_len": max_len, "quantized_tensors": len(quantized)})
     return LoadedModel(net, hf_config, src.name, max_len)

@@ -1,0 +1,65 @@
+"""GGUF block-quantized weights kept as the file has them, for the CPU kernels' qlinear.
+
+A GGUF file's Q4_0, Q4_1 and Q8_0 tensors are read as llama.cpp's own bytes (uint8
+[rows, row bytes]: blocks of 32 weights with their float16 scales), put through the same
+row permutation transformers' reader applies to dequantized Llama q/k weights, and named
+as the HF checkpoint names them. The model keeps them beside its dense weights and the
+CPU kernels dequantize them block by block inside the matmul (csrc/cpu_kernels.cpp), so
+a decode step reads ~0.6 bytes a weight instead of 2 (bf16) or 4 (fp32).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+# ggml type number -> name, for the types the kernels take
+QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+
+
+class QuantizedWeight(NamedTuple):
+    data: torch.Tensor  # uint8 [rows, K / 32 * block bytes], llama.cpp's block layout
+    qtype: int           # ggml type number (QTYPES)
+
+    @property
+    def type_name(self) -> str:
+        return QTYPES[self.qtype]
+
+    @staticmethod
+    def concat(parts: list["QuantizedWeight | None"]) -> "QuantizedWeight | None":
+        """Row-wise concatenation (fused QKV, gate/up); None unless every part is there in one type."""
+        if not parts or any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+            return None
+        return QuantizedWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype)
+
+
+def read_gguf_quantized(path: str, hf_config) -> dict[str, QuantizedWeight]:
+    """The file's tensors of a type in QTYPES, by HF parameter name (e.g.
+    "model.layers.0.self_attn.q_proj.weight"); other tensors are left to the dense loader."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+
+    reader = GGUFReader(path)
+    arch_field = reader.fields["general.architecture"]
+    architecture = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    # transformers' processor for this architecture, with the config keys it reads (heads)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config={
+        "num_attention_heads": hf_config.num_attention_heads,
+        "num_key_value_heads": getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads)})
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    out: dict[str, QuantizedWeight] = {}
+    for tensor in reader.tensors:
+        qtype = int(tensor.tensor_type)
+        if qtype not in QTYPES or tensor.name not in names:
+            continue
+        raw = np.asarray(tensor.data)
+        # a row permutation on the dequantized weights is the same permutation on the rows' blocks
+        raw = processor.process(weights=raw, name=tensor.name, tensor_key_mapping=names,
+                                parsed_parameters={}).weights
+        out[names[tensor.name]] = QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw).copy()), qtype)
+    return out

@@ -1,0 +1,155 @@
+"""GGUF block-quantized weights used as they are: the CPU kernels' qlinear / qembedding /
+qdequantize against gguf-py's reference dequantization (in the build for this CPU and in
+the baseline variant), the loader's quantized tensors against transformers' dequantized
+state dict, and the engine's greedy output on the quantized path against the dequantized
+one and HF's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera_engine import cpu_kernels
+from tessera_engine.config import EngineConfig
+from tessera_engine.core import EngineCore
+from tessera_engine.models.quantized import QTYPES, QuantizedWeight
+
+from engine_fixtures import (QUESTIONS, chat_prompts, greedy, hf_greedy, hf_tokenizer, loaded_fp32,  # noqa: F401
+                             model_source, requests)
+
+K = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(K is None, reason="fused CPU kernels could not be built here")
+
+
+@pytest.fixture(scope="module")
+def generic_kernels(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel-variants")
+    cpu_kernels.build_variants(out, ["generic"])
+    return cpu_kernels._load_prebuilt(str(out))
+
+
+def quantized(n: int, k: int, qtype: int, seed: int = 0):
+    """A random [n, k] weight quantized by gguf-py: (raw bytes as torch uint8, gguf-py's dequantization)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    raw = gguf.quantize(w, gguf.GGMLQuantizationType(qtype))
+    ref = gguf.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref.reshape(n, k))
+
+
+@pytest.mark.parametrize("variant", ["native", "generic"])
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_dequantize_and_embedding_are_bit_exact_with_gguf_py(qtype, variant, generic_kernels):
+    kern = K if variant == "native" else generic_kernels
+    raw, ref = quantized(37, 96, qtype)
+    assert torch.equal(kern.qdequantize(raw, qtype, 96), ref)
+    ids = torch.tensor([0, 36, 5, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = kern.qembedding(ids, raw, qtype, 96, dtype)
+        assert rows.dtype == dtype and torch.equal(rows, ref[ids].to(dtype))
+
+
+@pytest.mark.parametrize("variant", ["native", "generic"])
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_qlinear_matches_the_dense_matmul_on_the_dequantized_weight(qtype, dtype, m, variant, generic_kernels):
+    kern = K if variant == "native" else generic_kernels
+    n, k = 70, 160  # n not a multiple of the kernel's 4 rows, k of 5 blocks
+    raw, ref = quantized(n, k, qtype, seed=qtype + m)
+    torch.manual_seed(m)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    # the dense path's weights: the dequantized float32 rounded to the model's dtype
+    want = F.linear(x.float(), ref.to(dtype).float(), bias.float())
+    got = kern.qlinear(x, raw, qtype, bias)
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+    torch.testing.assert_close(kern.qlinear(x, raw, qtype, None).float(), want - bias.float(), **tol)
+
+
+def test_bad_quantized_inputs_are_clear_errors():
+    raw, _ = quantized(8, 64, 3)
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        K.qlinear(torch.randn(1, 96), raw, 3, None)  # K = 96 does not fit 40-byte rows
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        K.qlinear(torch.randn(1, 64), raw, 12, None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        K.qdequantize(raw, 3, 48)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        K.qlinear(torch.randn(1, 64).half(), raw, 3, None)
+    with pytest.raises(RuntimeError, match="outside"):
+        K.qembedding(torch.tensor([8]), raw, 3, 64, torch.float32)
+
+
+def test_concat_keeps_one_type_only():
+    a, b = QuantizedWeight(torch.zeros(2, 20, dtype=torch.uint8), 3), QuantizedWeight(torch.ones(3, 20, dtype=torch.uint8), 3)
+    fused = QuantizedWeight.concat([a, b])
+    assert fused.data.shape == (5, 20) and fused.qtype == 3 and fused.type_name == "Q4_1"
+    assert QuantizedWeight.concat([a, None]) is None
+    assert QuantizedWeight.concat([a, QuantizedWeight(torch.zeros(2, 18, dtype=torch.uint8), 2)]) is None
+
+
+def test_the_default_models_quantized_tensors_are_its_dense_weights(model_source):
+    """Every Q4_1 / Q8_0 tensor of the default GGUF, read as bytes (q/k rows permuted as
+    transformers does), dequantizes bit for bit to transformers' dequantized state dict."""
+    from tessera_engine.models.loader import _gguf_state_dict, load_hf_config
+    from tessera_engine.models.quantized import read_gguf_quantized
+
+    cfg = load_hf_config(model_source)
+    q = read_gguf_quantized(str(model_source.path), cfg)
+    dense = _gguf_state_dict(model_source, cfg)
+    assert len(q) == 7 * cfg.num_hidden_layers + 1  # every linear layer and the tied embedding
+    assert {w.type_name for w in q.values()} == {"Q4_1", "Q8_0"}
+    for name, w in q.items():
+        assert torch.equal(K.qdequantize(w.data, w.qtype, dense[name].shape[1]), dense[name]), name
+
+
+def test_engine_uses_the_quantized_weights_by_default_and_logs_it(loaded_fp32, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="tessera_engine.model_runner"):
+        core = EngineCore(EngineConfig(dtype="float32", device="cpu", kv_cache_gib=0.1), loaded=loaded_fp32)
+    record = next(r for r in caplog.records if r.getMessage() == "linear layers")
+    assert record.paths == {"Q4_1": 4 * 30, "Q8_0": 1} and record.quantized_max_rows == 64
+    layer = loaded_fp32.model.layers[0].mlp.down_proj
+    assert layer.qlinear is not None and layer.qweight.type_name == "Q4_1"
+    del core
+    with caplog.at_level(logging.INFO, logger="tessera_engine.model_runner"):
+        EngineCore(EngineConfig(dtype="float32", device="cpu", kv_cache_gib=0.1, gguf_dequantize=True),
+                   loaded=loaded_fp32)
+    record = [r for r in caplog.records if r.getMessage() == "linear layers"][-1]
+    assert record.paths == {"dense": 4 * 30 + 1} and layer.qlinear is None
+
+
+def test_quantized_and_dequantized_paths_agree_token_for_token(loaded_fp32, chat_prompts, hf_greedy):
+    """fp32, greedy: the quantized matmul (same weights, another summation order) gives the
+    dequantized path's tokens, and HF's, on the HF-equality prompts, one at a time and batched."""
+    def run(dequantize: bool, prompts):
+        core = EngineCore(EngineConfig(dtype="float32", device="cpu", kv_cache_gib=0.25,
+                                       gguf_dequantize=dequantize), loaded=loaded_fp32)
+        return core.generate(requests(prompts, greedy(24)))
+
+    prompts = chat_prompts[:8]
+    quant, dense = run(False, prompts), run(True, prompts)
+    for i, p in enumerate(prompts):
+        assert quant[(f"r{i}", 0)] == dense[(f"r{i}", 0)] == hf_greedy(p, 24), f"prompt {i}"
+    single = run(False, prompts[:1])
+    assert single[("r0", 0)] == dense[("r0", 0)]
+
+
+def test_gguf_dequantize_flag_and_env(monkeypatch):
+    from tessera_engine.server import config_from_args, parse_args
+
+    monkeypatch.delenv("TESSERA_GGUF_DEQUANTIZE", raising=False)
+    assert config_from_args(parse_args([])).gguf_dequantize is False
+    assert config_from_args(parse_args(["--gguf-dequantize", "true"])).gguf_dequantize is True
+    monkeypatch.setenv("TESSERA_GGUF_DEQUANTIZE", "1")
+    assert config_from_args(parse_args([])).gguf_dequantize is True
+    cfg = EngineConfig(device="cpu")
+    assert cfg.quantized_max_rows(torch.bfloat16) == 4 and cfg.quantized_max_rows(torch.float32) == 64
+    assert EngineConfig(device="cpu", gguf_dequantize=True).quantized_max_rows(torch.bfloat16) == 0

@@ -153,3 +153,27 @@ def test_gguf_dequantize_flag_and_env(monkeypatch):
     cfg = EngineConfig(device="cpu")
     assert cfg.quantized_max_rows(torch.bfloat16) == 4 and cfg.quantized_max_rows(torch.float32) == 64
     assert EngineConfig(device="cpu", gguf_dequantize=True).quantized_max_rows(torch.bfloat16) == 0
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN's packed bf16 matmul")
+def test_bf16_layers_keep_one_dense_copy_and_generate_the_same():
+    """Once an engine is built, each bf16 linear layer holds its oneDNN-packed weight only
+    (the plain copy is freed); a second engine on the same model still runs and agrees."""
+    from engine_fixtures import tiny_hf_llama, tiny_loaded
+    from tessera_engine.request import EngineCoreRequest
+    from tessera_engine.sampling_params import SamplingParams
+
+    cfg, hf = tiny_hf_llama(num_layers=2)
+    loaded = tiny_loaded(cfg, hf, torch.bfloat16)
+    before = loaded.model.layers[0].mlp.down_proj.weight.numel()
+
+    def run():
+        core = EngineCore(EngineConfig(dtype="bfloat16", device="cpu", num_kv_blocks=64), loaded=loaded)
+        reqs = [EngineCoreRequest(f"r{i}", [1 + i, 7, 9, 3], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                           ignore_eos=True)) for i in range(3)]
+        return core.generate(reqs)
+
+    first = run()
+    down = loaded.model.layers[0].mlp.down_proj
+    assert before > 0 and down.weight.numel() == 0 and down._pw.frozen
+    assert run() == first and all(len(t) == 8 for t in first.values())

@@ -35,27 +35,43 @@ class PackedWeight:
     F.linear on CPU bf16 goes through oneDNN too but reorders the weight on every
     call; prepacking it gives the same results, faster (same idea as inductor's
     weight prepacking). Repacked when the weight changes (its storage or version
-    counter). The per-call path is kept to a few attribute checks: at batch 1 a step makes ~120 of these calls.
+    counter), until `freeze` packs it for good so that its owner can free the plain
+    copy. The per-call path is kept to a few attribute checks: at batch 1 a step makes
+    ~120 of these calls.
     """
 
     def __init__(self) -> None:
         self.packed = None
         self.ptr = 0
         self.version = -1
+        self.frozen = False
+
+    def freeze(self, weight: torch.Tensor) -> bool:
+        """Pack `weight` now and never again; False (nothing done) where it cannot be packed."""
+        if not _packed_linear_available(weight):
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        self.frozen = True
+        return True
+
+    def _run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2:
+            return _LINEAR(x if x.is_contiguous() else x.contiguous(), self.packed, bias, "none", [], "")
+        shape = x.shape
+        out = _LINEAR(x.reshape(-1, shape[-1]).contiguous(), self.packed, bias, "none", [], "")
+        return out.view(*shape[:-1], out.shape[-1])
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.frozen:
+            return self._run(x, bias)
         if (self.packed is not None and weight._version == self.version and x.dtype == weight.dtype
                 and weight.data_ptr() == self.ptr):
-            if x.dim() == 2:
-                return _LINEAR(x if x.is_contiguous() else x.contiguous(), self.packed, bias, "none", [], "")
-            shape = x.shape
-            out = _LINEAR(x.reshape(-1, shape[-1]).contiguous(), self.packed, bias, "none", [], "")
-            return out.view(*shape[:-1], out.shape[-1])
+            return self._run(x, bias)
         if x.dtype != weight.dtype or not _packed_linear_available(weight):
             return F.linear(x, weight, bias)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
         self.ptr, self.version = weight.data_ptr(), weight._version
-        return self.linear(x, weight, bias)
+        return self._run(x, bias)
 
 
 class Linear(nn.Linear):
@@ -71,6 +87,15 @@ class Linear(nn.Linear):
         self.qweight: QuantizedWeight | None = None
         self.qlinear = None
         self.q_max_rows = 0
+
+    def pack_for_good(self) -> None:
+        """Pack the bf16 CPU weight now and free the plain copy, which nothing reads after
+        that: the layer then holds one dense copy of its weights (plus the file's quantized
+        one, where it has it), not two. Nothing happens where the weight cannot be packed."""
+        if self._pw.frozen or not self._pw.freeze(self.weight):
+            return
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
+                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qlinear is not None and x.dim() == 2 and x.shape[0] <= self.q_max_rows:
@@ -193,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(m, LlamaAttention):
                 m.backend = attention
             elif isinstance(m, Linear):
+                m.pack_for_good()
                 usable = (qlinear is not None and m.qweight is not None
                           and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
                           and self.embed_tokens.weight.device.type == "cpu")

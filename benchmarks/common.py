@@ -108,6 +108,8 @@ def add_engine_flags(ap) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
+    ap.add_argument("--gguf-dequantize", action="store_true",
+                    help="GGUF: dense weights only (default: Q4_0/Q4_1/Q8_0 weights kept for small batches)")
 
 
 def engine_config(args, **overrides):
@@ -117,7 +119,8 @@ def engine_config(args, **overrides):
     return EngineConfig(**{"model": args.model, "dtype": args.dtype, "kv_cache_gib": args.kv_cache_gib,
                            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                            "block_size": args.block_size, "enable_prefix_caching": not args.no_prefix_caching,
-                           "num_threads": args.threads, **overrides})
+                           "num_threads": args.threads, "gguf_dequantize": args.gguf_dequantize,
+                           **overrides})
 
 
 def questions(n: int) -> list[str]:

@@ -61,6 +61,7 @@ from tessera_engine.request import EngineCoreRequest  # noqa: E402
 from tessera_engine.sampling_params import SamplingParams  # noqa: E402
 
 ALL_SCENARIOS = ("batch64", "single", "scale", "mixed")
+EXTRA_SCENARIOS = ("quantized",)  # run only when named in --scenarios
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 TARGETS = {
@@ -74,7 +75,9 @@ TARGETS = {
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default=",".join(ALL_SCENARIOS),
-                    help=f"comma separated, from {','.join(ALL_SCENARIOS)} (default: all)")
+                    help=f"comma separated, from {','.join(ALL_SCENARIOS + EXTRA_SCENARIOS)} (default: "
+                         f"{','.join(ALL_SCENARIOS)}; quantized: the GGUF's quantized weights against "
+                         f"--gguf-dequantize, single and batch64)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="measurements per scenario and side; medians are quoted (default 3; scale and mixed 2)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -104,9 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
 
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    bad = [s for s in args.scenarios if s not in ALL_SCENARIOS]
+    bad = [s for s in args.scenarios if s not in ALL_SCENARIOS + EXTRA_SCENARIOS]
     if bad:
-        ap.error(f"unknown scenario(s) {bad}; choose from {ALL_SCENARIOS}")
+        ap.error(f"unknown scenario(s) {bad}; choose from {ALL_SCENARIOS + EXTRA_SCENARIOS}")
     q = args.quick
     args.output_tokens = args.output_tokens or (32 if q else 128)
     args.single_tokens = args.single_tokens or (64 if q else 256)
@@ -114,9 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.scale_levels = [int(x) for x in (args.scale_levels or ("64,128" if q else "64,128,256")).split(",")]
     if args.repeats is None:
         args.repeats_for = {"batch64": 1 if q else 3, "single": 1 if q else 3,
-                            "scale": 1 if q else 2, "mixed": 1 if q else 2}
+                            "scale": 1 if q else 2, "mixed": 1 if q else 2, "quantized": 1 if q else 2}
     else:
-        args.repeats_for = {s: args.repeats for s in ALL_SCENARIOS}
+        args.repeats_for = {s: args.repeats for s in ALL_SCENARIOS + EXTRA_SCENARIOS}
     return args
 
 
@@ -197,15 +200,15 @@ class Bench:
         }
 
     # -- engine ------------------------------------------------------------------------
-    def new_core(self) -> EngineCore:
+    def new_core(self, **overrides) -> EngineCore:
         a = self.args
-        return EngineCore(engine_config(a), self.loaded)
+        return EngineCore(engine_config(a, **overrides), self.loaded)
 
     def run_engine(self, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool,
-                   breakdown: StepBreakdown | None = None) -> dict:
+                   breakdown: StepBreakdown | None = None, **overrides) -> dict:
         """All requests submitted at t0 to a fresh engine core (empty prefix cache), run to completion."""
         gc.collect()
-        core = self.new_core()
+        core = self.new_core(**overrides)
         if breakdown is not None:
             breakdown.attach(core)
         n = len(prompts)
@@ -427,6 +430,32 @@ def scenario_single(bench: Bench, prompt: list[int], reps: int) -> dict:
     return out
 
 
+def scenario_quantized(bench: Bench, prompts: list[list[int]], reps: int) -> dict:
+    """The GGUF's quantized weights (the default) against --gguf-dequantize on the same loaded
+    model, runs alternating: single-request decode and the batch64 workload."""
+    a = bench.args
+    out: dict = {"workload": "single: 1 request x --single-tokens; batch64: --num-prompts x --output-tokens; "
+                             "greedy, ignore_eos; quantized = default, dense = --gguf-dequantize"}
+    for name, ps, mt in (("single", [prompts[2]], [a.single_tokens]),
+                         ("batch64", prompts, [a.output_tokens] * len(prompts))):
+        runs: dict[str, list[dict]] = {"quantized": [], "dense": []}
+        for r in range(reps):
+            order = [("quantized", False), ("dense", True)]
+            for side, dequantize in (order if r % 2 == 0 else order[::-1]):
+                wait_for_quiet(a.wait_quiet, a.quiet_cores, log)
+                res = bench.run_engine(ps, mt, ignore_eos=True, gguf_dequantize=dequantize)
+                runs[side].append(res)
+                log(f"[quantized/{name} {r + 1}/{reps}] {side:9s} {res['tokens_per_s']:8.1f} tok/s  "
+                    f"tpot {res['tpot_median_s'] * 1e3:6.2f} ms  ttft {res['ttft_median_s']:.3f} s")
+        q, d = _medians(runs["quantized"]), _medians(runs["dense"])
+        out[name] = {"quantized": q, "dense": d,
+                     "ratio_tokens_per_s": _ratio(q["tokens_per_s"]["median"], d["tokens_per_s"]["median"]),
+                     "ratio_decode": _ratio(d["tpot_median_s"]["median"], q["tpot_median_s"]["median"]),
+                     "quantized_runs": [_strip(r) for r in runs["quantized"]],
+                     "dense_runs": [_strip(r) for r in runs["dense"]]}
+    return out
+
+
 def scenario_scale(bench: Bench, reps: int, reuse64: list[dict] | None) -> dict:
     a = bench.args
     levels = {}
@@ -526,9 +555,16 @@ def print_table(results: dict) -> None:
     if "mixed" in sc:
         add("mixed engine", sc["mixed"]["engine"], sc["mixed"].get("ratio_vs_hf_static"))
         add("mixed hf-static", sc["mixed"].get("hf"))
+    if "quantized" in sc:
+        for name in ("single", "batch64"):
+            part = sc["quantized"][name]
+            add(f"{name} quantized", part["quantized"],
+                part["ratio_decode"] if name == "single" else part["ratio_tokens_per_s"])
+            add(f"{name} dense", part["dense"])
     for line in format_table(("scenario", "out tok/s", "TTFT s", "TPOT ms", "RSS MiB", "ratio"), rows):
         print(line)
-    print("(medians over repeats; ratio = engine/HF tokens/s, single: HF TPOT / engine TPOT (decode))")
+    print("(medians over repeats; ratio = engine/HF tokens/s, single: HF TPOT / engine TPOT (decode); "
+          "quantized rows: against --gguf-dequantize, single by decode TPOT)")
 
 
 def evaluate_targets(results: dict) -> dict:
@@ -580,6 +616,8 @@ def run_scenarios(bench: Bench, prompts: list[list[int]]) -> dict:
             sc["scale"] = scenario_scale(bench, reps, reuse)
         elif name == "mixed":
             sc["mixed"] = scenario_mixed(bench, reps)
+        elif name == "quantized":
+            sc["quantized"] = scenario_quantized(bench, prompts, reps)
     return sc
 
 

@@ -34,7 +34,7 @@ class EngineConfig:
     # misc
     seed: int = 0
     num_threads: int | None = None     # torch CPU threads; None = torch's default
-    # CPU: tessera's fused C++ kernels (attention, norms, rotary, GEMV), else plain torch ops
+    # CPU: tessera's fused C++ kernels (attention, norms, rotary, quantized matmul), else plain torch ops
     cpu_kernels: bool = True
     cpu_kernels_prebuilt: str | None = None  # load them from this module file / variants directory
     # GGUF: dequantize every weight at load instead of keeping Q4_0 / Q4_1 / Q8_0 weights as the

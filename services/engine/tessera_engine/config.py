@@ -26,6 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # scheduler
     max_num_seqs: int = 256
+    max_logprobs: int = 20             # cap on logprobs / prompt_logprobs per position (vLLM's default)
     max_num_batched_tokens: int | None = None  # token budget per step; None: see token_budget()
     scheduling_policy: str = "fcfs"    # fcfs or priority
     # the core loop: how long an idle engine waits for a burst the frontend says is coming
@@ -91,6 +92,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_logprobs < 0:
+            raise ValueError("max_logprobs must be >= 0")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.idle_batch_wait_ms < 0:

@@ -68,6 +68,23 @@ class EngineCore:
             p.validate()
         except ValueError as exc:
             raise RequestRejected("INVALID_ARGUMENT", str(exc)) from None
+        # ranges only the engine knows: its vocabulary and caps (a client may call the
+        # engine directly, past the frontend's own checks)
+        V = self.vocab_size
+        if p.top_k > V:
+            raise RequestRejected("INVALID_ARGUMENT", f"top_k must be at most the vocabulary size {V}, got {p.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(p, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise RequestRejected("INVALID_ARGUMENT",
+                                      f"{name} must be at most {self.config.max_logprobs}, got {value}")
+        if p.n > self.config.max_num_seqs:
+            raise RequestRejected("INVALID_ARGUMENT", f"n must be at most max_num_seqs ({self.config.max_num_seqs}), "
+                                                      f"got {p.n}")
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("eos_token_ids", req.eos_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < V]
+            if bad:
+                raise RequestRejected("INVALID_ARGUMENT", f"{name}: {bad[0]} is outside the vocabulary [0, {V})")
         n = len(req.prompt_token_ids)
         if n == 0:
             raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass
@@ -32,7 +33,12 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field (ranges that need the model or the
+        engine's caps are EngineCore.check_request's)."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN passes every comparison below
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < -1:
@@ -43,6 +49,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:  # OpenAI's range
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -25,22 +25,35 @@ async def is_serving(channel: grpc.aio.Channel, timeout: float = 2.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def drain(queue: asyncio.Queue, merge: Callable | None = None) -> AsyncIterator:
+# Merged messages stay under this size, far below the channels' 64 MiB limit: a burst of
+# large prompts goes out as several messages instead of one the stream cannot carry.
+MERGE_MAX_BYTES = 4 << 20
+
+
+async def drain(queue: asyncio.Queue, merge: Callable | None = None,
+                max_bytes: int = MERGE_MAX_BYTES) -> AsyncIterator:
     """Yield the queue's messages until a None arrives: the request side of a streaming call.
 
     Writers put messages with put_nowait, so submitting never waits on the network. With
     `merge(first, later)`, the messages that queued up meanwhile are folded into one before
-    it is sent (many requests arriving together travel as one message).
+    it is sent (many requests arriving together travel as one message), up to max_bytes.
     """
+    pending = None
     while True:
-        message = await queue.get()
+        message, pending = (pending, None) if pending is not None else (await queue.get(), None)
         if message is None:
             return
         if merge is not None:
+            size = message.ByteSize()
             while not queue.empty():
                 later = queue.get_nowait()
                 if later is None:
                     yield message
                     return
+                later_size = later.ByteSize()
+                if size + later_size > max_bytes:
+                    pending = later  # starts the next message
+                    break
                 merge(message, later)
+                size += later_size
         yield message

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tessera.v1 import common_pb2
 from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
 from tessera_frontend.async_llm import AsyncLLM, GenerateError, Prompt
+from tessera_frontend.http_limits import BodyLimit, check_unicode
 from tessera_frontend.metrics import REQUESTS, RequestTracker, record_rejected
 from tessera_frontend.openai_formatters import (ChatFormatter, CompletionFormatter, Formatter, IndexedOutput,
                                                 Usage)
@@ -69,6 +70,7 @@ def create_app(llm: AsyncLLM, limits: Limits, admission: AdmissionController,
     app = FastAPI(title="tessera", description="OpenAI-compatible API of the tessera frontend",
                   docs_url=None, redoc_url=None)
     app.state.api = api
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -157,6 +159,7 @@ class OpenAIApi:
     # -- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
         async with _tracked(RequestTracker("http")) as tracker:
+            check_unicode(body)
             request_id = _request_id(body, request)
             tracker.set_request_id(request_id)
             messages = chat_messages(body)
@@ -167,6 +170,7 @@ class OpenAIApi:
 
     async def completions(self, body: CompletionRequest, request: Request):
         async with _tracked(RequestTracker("http")) as tracker:
+            check_unicode(body)
             request_id = _request_id(body, request)
             tracker.set_request_id(request_id)
             prompts = completion_prompts(body, self.limits)

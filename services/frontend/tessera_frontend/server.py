@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="largest logprobs / prompt_logprobs a request may ask for")
     add_flag(parser, "--max-stop", "TESSERA_MAX_STOP", 16, type=int,
              help="most stop strings a request may give")
+    add_flag(parser, "--max-body-bytes", "TESSERA_MAX_BODY_BYTES", 8 << 20, type=int,
+             help="largest HTTP request body, answered 413 before it is read past the cap (0: no cap)")
     return parser
 
 
@@ -106,7 +108,8 @@ async def serve(args: argparse.Namespace) -> int:
                               Router(max_imbalance=args.affinity_max_imbalance),
                               resolve_interval_s=args.engine_resolve_interval)
     llm = AsyncLLM(tokenizer, engine, stream_interval=args.stream_interval)
-    limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop)
+    limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop,
+                    max_body_bytes=args.max_body_bytes)
     admission = AdmissionController(args.max_inflight_requests)
 
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)

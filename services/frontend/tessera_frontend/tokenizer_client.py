@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 RECONNECT_DELAY_S = 0.5
 
 
+# One prompt on the shared tokenize stream (the channel carries 64 MiB a message).
+MAX_ITEM_BYTES = 32 << 20
+
+
 class DetokenizeStreamError(Exception):
     """The detokenize stream is down (or broke while a message was in flight)."""
 
@@ -259,6 +263,11 @@ class TokenizeStream(_TokenizerStream):
         fails with TokenizeStreamError when the stream is or goes down first."""
         if self._outbox is None:
             raise TokenizeStreamError("the tokenize stream to the tokenizer is down (tokenizer unavailable)")
+        size = request.ByteSize()
+        if size > MAX_ITEM_BYTES:  # would break the stream every other request shares: this one fails alone
+            raise TokenizeError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the prompt is {size} bytes, more than the {MAX_ITEM_BYTES} a request may send "
+                                f"to the tokenizer")
         item_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._waiting[item_id] = future

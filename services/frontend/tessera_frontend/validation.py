@@ -33,6 +33,7 @@ class Limits:
     max_stop_chars: int = 1024          # length of one stop string
     max_stop_token_ids: int = 1024
     max_prompts: int = 64               # prompts in one OpenAI /v1/completions request
+    max_body_bytes: int = 8 << 20       # an HTTP request body (413 past it; 0: no cap)
 
 
 class ValidationError(ValueError):

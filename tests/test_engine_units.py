@@ -270,3 +270,18 @@ def test_token_budget_defaults_by_device_and_takes_an_explicit_value():
     assert make_scheduler().token_budget == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
         EngineConfig(max_num_batched_tokens=0).validate()
+
+
+def test_block_hashes_are_sha256_chained_over_fixed_width_inputs():
+    import hashlib
+    from array import array
+
+    from tessera_engine.kv_cache import hash_block
+
+    first = hash_block(None, [1, 2, 3, 4])
+    assert first == hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest() and len(first) == 32
+    second = hash_block(first, [5, 6, 7, 8])
+    assert second == hashlib.sha256(first + array("q", [5, 6, 7, 8]).tobytes()).digest()
+    assert hash_block(None, [5, 6, 7, 8]) != second  # the parent is part of the name
+    assert hash_block(first, [5, 6, 7, 9]) != second
+    assert hash_block(None, (1, 2, 3, 4)) == first  # any sequence of ids

@@ -1,8 +1,10 @@
 """Paged KV cache bookkeeping: a pool of fixed-size blocks, per-request block
 tables grown on demand, and a hash-chained prefix cache with LRU eviction.
 
-A full block is identified by hash((parent block's hash, its token ids)), so a
-block hash names the whole prefix up to and including that block. Blocks whose
+A full block is identified by sha256(parent block's hash, its token ids), so a
+block hash names the whole prefix up to and including that block. sha256, not
+Python's 64-bit hash(): a collision would hand one request another's cached KV
+(vLLM moved to sha256 for the same reason). Blocks whose
 reference count drops to zero go to the back of the free queue but keep their
 hash, so a later request with the same prefix can take them back; allocation
 takes from the front of the queue, evicting the least recently freed first.
@@ -11,6 +13,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+from array import array
+from typing import Sequence
 
 from tessera_engine.request import Request, SampleKey
 
@@ -19,7 +24,7 @@ from tessera_engine.request import Request, SampleKey
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
 @dataclasses.dataclass
@@ -38,12 +43,16 @@ class KVCacheStats:
 class RequestBlocks:
     """One request's share of the pool."""
     block_ids: list[int] = dataclasses.field(default_factory=list)  # its block table
-    hashes: list[int] = dataclasses.field(default_factory=list)     # of its full blocks, memoized
+    hashes: list[bytes] = dataclasses.field(default_factory=list)   # of its full blocks, memoized
     num_registered: int = 0  # leading blocks already published in the prefix cache
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """sha256 of the parent's 32-byte hash (nothing for the first block) and the block's
+    token ids as int64: fixed widths, so no two (parent, tokens) pairs share an input."""
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class KVCacheManager:
@@ -56,7 +65,7 @@ class KVCacheManager:
         # Free blocks in eviction order (front = evicted first). dict keeps insertion order.
         self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict(
             (i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.req_blocks: dict[SampleKey, RequestBlocks] = {}
         self.queries = 0
         self.hits = 0
@@ -78,7 +87,7 @@ class KVCacheManager:
         return blocks.block_ids if blocks is not None else []
 
     # -- prefix cache --------------------------------------------------------
-    def _block_hashes(self, req: Request, num_tokens: int) -> list[int]:
+    def _block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
         """Hashes of the request's full blocks among its first num_tokens tokens (memoized)."""
         hashes = self.req_blocks.setdefault(req.key, RequestBlocks()).hashes
         bs = self.block_size
@@ -86,7 +95,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, req: Request) -> tuple[list[int], int]:

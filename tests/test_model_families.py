@@ -32,12 +32,14 @@ def build(family: str):
         return tf.LlamaForCausalLM(cfg)
     if family == "qwen2":  # QKV bias, tied embeddings
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, tie_word_embeddings=True))
+    if family == "qwen3":  # per-head q/k RMSNorm, head_dim set apart from hidden / heads
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True))
     if family == "mistral":  # a sliding window longer than these prompts + outputs
         return tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=64))
     raise ValueError(family)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_family_matches_hf_greedy_through_the_safetensors_loader(family, tmp_path):
     torch.manual_seed(11)
     hf = build(family).eval()
@@ -46,6 +48,11 @@ def test_family_matches_hf_greedy_through_the_safetensors_loader(family, tmp_pat
             for layer in hf.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if family == "qwen3":  # HF initializes the norms to ones: make them matter
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     loaded = load_model(str(tmp_path), None, torch.float32, torch.device("cpu"))
     core = EngineCore(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64), loaded=loaded)
@@ -58,3 +65,12 @@ def test_family_matches_hf_greedy_through_the_safetensors_loader(family, tmp_pat
             ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
                               attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
         assert out[(f"r{i}", 0)] == ref[0, len(p):].tolist(), f"{family}, prompt {i}"
+
+
+def test_a_family_the_engine_cannot_run_is_refused_naming_it_and_those_it_can(tmp_path):
+    import transformers as tf
+
+    tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)).save_pretrained(
+        tmp_path, safe_serialization=True)
+    with pytest.raises(ValueError, match=r"'gpt2' not supported \(supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]\)"):
+        load_model(str(tmp_path), None, torch.float32, torch.device("cpu"))

@@ -1,7 +1,7 @@
-"""The Llama family (Llama, Qwen2, Mistral, SmolLM) in torch, over a paged KV cache.
+"""The Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM) in torch, over a paged KV cache.
 
 RMSNorm, rotary embeddings (models/rotary.py), grouped-query attention, SwiGLU MLP,
-optional QKV bias (Qwen2) and tied embeddings. Q, K and V share one matmul, as do
+optional QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3) and tied embeddings. Q, K and V share one matmul, as do
 gate and up. The attention and op backends are the model runner's choice, set once
 with `use_backend`.
 """
@@ -134,10 +134,25 @@ class LlamaAttention(nn.Module):
                                 bias=bool(getattr(config, "attention_bias", False)))
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
         self.backend: TorchAttention | None = None  # set by use_backend
+        # Qwen3: each head's q and k RMS-normalized before the rotary embedding
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def _normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        T, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(T * self.num_heads, d)).view(T, self.q_size)
+        k = self.k_norm(k.reshape(T * self.num_kv_heads, d)).view(T, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache
-        q = self.backend.rope_and_cache(self.attn, self.qkv_proj(x), cos, sin, k_cache, v_cache, meta)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:
+            qkv = self._normalize_qk(qkv)
+        q = self.backend.rope_and_cache(self.attn, qkv, cos, sin, k_cache, v_cache, meta)
         return self.o_proj(self.backend.forward(self.attn, q, k_cache, v_cache, meta))
 
 

@@ -18,7 +18,7 @@ from tessera_engine.models.quantized import read_gguf_quantized
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = {"llama", "qwen2", "mistral"}
+SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
 
 
 def load_hf_config(src: ModelSource):

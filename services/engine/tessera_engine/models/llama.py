@@ -226,7 +226,9 @@ class LlamaForCausalLM(nn.Module):
         Returns how many linear layers took each path ("Q4_1": 210, "dense": 1, ...)."""
         self.attention = attention
         paths: dict[str, int] = {}
-        qlinear = getattr(ops, "qlinear", None) if q_max_rows > 0 else None
+        weight = self.embed_tokens.weight
+        on_cpu = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+        qlinear = getattr(ops, "qlinear", None) if q_max_rows > 0 and on_cpu else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, LlamaMLP)):
                 m.ops = ops
@@ -234,15 +236,11 @@ class LlamaForCausalLM(nn.Module):
                 m.backend = attention
             elif isinstance(m, Linear):
                 m.pack_for_good()
-                usable = (qlinear is not None and m.qweight is not None
-                          and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-                          and self.embed_tokens.weight.device.type == "cpu")
+                usable = qlinear is not None and m.qweight is not None
                 m.qlinear, m.q_max_rows = (qlinear, q_max_rows) if usable else (None, 0)
                 kind = m.qweight.type_name if usable else "dense"
                 paths[kind] = paths.get(kind, 0) + 1
-        use_tied = (qlinear is not None and self.embed_q is not None and self.lm_head is None
-                    and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16)
-                    and self.embed_tokens.weight.device.type == "cpu")
+        use_tied = qlinear is not None and self.embed_q is not None and self.lm_head is None
         self.qembedding = getattr(ops, "qembedding", None) if use_tied else None
         self.tied_qlinear, self.tied_q_max_rows = (qlinear, q_max_rows) if use_tied else (None, 0)
         if self.lm_head is None:

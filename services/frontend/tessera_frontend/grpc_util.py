@@ -38,13 +38,14 @@ async def drain(queue: asyncio.Queue, merge: Callable | None = None,
     `merge(first, later)`, the messages that queued up meanwhile are folded into one before
     it is sent (many requests arriving together travel as one message), up to max_bytes.
     """
-    pending = None
+    pending = None  # a message that did not fit the last merge: the next one starts with it
     while True:
-        message, pending = (pending, None) if pending is not None else (await queue.get(), None)
+        message = pending if pending is not None else await queue.get()
+        pending = None
         if message is None:
             return
-        if merge is not None:
-            size = message.ByteSize()
+        if merge is not None and not queue.empty():
+            size = message.ByteSize()  # sized only when there is something to merge
             while not queue.empty():
                 later = queue.get_nowait()
                 if later is None:
@@ -52,7 +53,7 @@ async def drain(queue: asyncio.Queue, merge: Callable | None = None,
                     return
                 later_size = later.ByteSize()
                 if size + later_size > max_bytes:
-                    pending = later  # starts the next message
+                    pending = later
                     break
                 merge(message, later)
                 size += later_size

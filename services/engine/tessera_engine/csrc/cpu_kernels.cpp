@@ -685,6 +685,17 @@ inline void dequant_row(const uint8_t* row, int64_t nb, T* out) {
   }
 }
 
+// Whether dot_rows<T> takes its portable path, the one that needs float scratch buffers.
+template <typename T>
+constexpr bool kPortableDots =
+#if defined(__AVX512BF16__)
+    false;
+#elif defined(__AVX512F__)
+    !std::is_same_v<T, float>;
+#else
+    true;
+#endif
+
 // y[m, n0 + r] for r < rows: dots of x's rows with the dequantized rows in w (stride K).
 template <typename T>
 void dot_rows(const T* x, int64_t M, int64_t K, const T* w, int64_t rows, int64_t N, int64_t n0,
@@ -775,7 +786,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& wq, int64_t qt, const 
     T* yp = out.data_ptr<T>();
     at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t gb, int64_t ge) {
       std::vector<T> w(4 * K);
-      std::vector<float> xbuf(K), wbuf(4 * K);
+      std::vector<float> xbuf(kPortableDots<T> ? K : 0), wbuf(kPortableDots<T> ? 4 * K : 0);
       for (int64_t g = gb; g < ge; ++g) {
         const int64_t n0 = g * 4, rows = std::min<int64_t>(4, N - n0);
         for (int64_t r = 0; r < rows; ++r) dequant_row<T, QT>(wp + (n0 + r) * row_bytes, nb, w.data() + r * K);
@@ -813,7 +824,7 @@ at::Tensor qembedding(const at::Tensor& ids, const at::Tensor& wq, int64_t qt, i
   return out;
 }
 
-// One weight row block-quantized -> float32 (tests, and the dequantized path's own check).
+// A whole block-quantized weight -> float32 [N, K] (for tests: gguf-py's values bit for bit).
 at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K) {
   check_quantized(wq, qt, K, "qdequantize");
   const int64_t N = wq.size(0), nb = K / 32, row_bytes = wq.size(1);

@@ -46,11 +46,15 @@ class PackedWeight:
         self.version = -1
         self.frozen = False
 
+    def _pack(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        self.ptr, self.version = weight.data_ptr(), weight._version
+
     def freeze(self, weight: torch.Tensor) -> bool:
         """Pack `weight` now and never again; False (nothing done) where it cannot be packed."""
         if not _packed_linear_available(weight):
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+        self._pack(weight)
         self.frozen = True
         return True
 
@@ -69,8 +73,7 @@ class PackedWeight:
             return self._run(x, bias)
         if x.dtype != weight.dtype or not _packed_linear_available(weight):
             return F.linear(x, weight, bias)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-        self.ptr, self.version = weight.data_ptr(), weight._version
+        self._pack(weight)
         return self._run(x, bias)
 
 

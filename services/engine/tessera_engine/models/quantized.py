@@ -61,5 +61,5 @@ def read_gguf_quantized(path: str, hf_config) -> dict[str, QuantizedWeight]:
         # a row permutation on the dequantized weights is the same permutation on the rows' blocks
         raw = processor.process(weights=raw, name=tensor.name, tensor_key_mapping=names,
                                 parsed_parameters={}).weights
-        out[names[tensor.name]] = QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw).copy()), qtype)
+        out[names[tensor.name]] = QuantizedWeight(torch.from_numpy(np.array(raw, order="C")), qtype)
     return out

@@ -75,6 +75,34 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, ke
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_attention_of_a_mixed_step_matches_torch_attention(dtype, kernels):
+    """One step holding decodes, a fresh prompt, a chunk continuing a cached context and a
+    one-block prompt: the kernel backend (every token attends as a decode of its position)
+    against the torch backend (padded SDPA groups with a causal mask), layer output rows."""
+    from tessera_engine.attention import CpuKernelAttention, DecodeEntry, PagedAttention, PrefillChunk, TorchAttention
+
+    torch.manual_seed(1)
+    bs, heads, kv_heads, d = 16, 9, 3, 64
+    layer = PagedAttention(heads, kv_heads, d)
+    k_cache = torch.randn(64 * bs, kv_heads, d).to(dtype)
+    v_cache = torch.randn(64 * bs, kv_heads, d).to(dtype)
+    decodes = [DecodeEntry([3, 9], 20), DecodeEntry([5], 1), DecodeEntry([7, 8, 11], 40)]
+    chunks, q_start = [], len(decodes)
+    for start, end, table in [(0, 37, [20, 21, 22]), (32, 70, [30, 31, 32, 33, 34]), (0, 16, [40])]:
+        chunks.append(PrefillChunk(q_start, start, end, table))
+        q_start += end - start
+    q = torch.randn(q_start, heads, d).to(dtype)
+    outs = []
+    for backend in (CpuKernelAttention(kernels, bs, kv_heads, dtype, torch.device("cpu")),
+                    TorchAttention(bs, kv_heads, dtype, torch.device("cpu"))):
+        meta = backend.build_metadata(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                                      decodes, chunks)
+        outs.append(backend.forward(layer, q, k_cache, v_cache, meta).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_fused_residual_add(dtype, kernels):
     torch.manual_seed(1)
     x, res, w = torch.randn(13, 576).to(dtype), torch.randn(13, 576).to(dtype), torch.randn(576).to(dtype)

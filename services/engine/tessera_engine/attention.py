@@ -16,11 +16,13 @@ that metadata back to the same backend.
   query heads that share a KV head are folded into the query length; with one query
   row per head, two batched matmuls and a float32 softmax are several times faster on
   CPU than SDPA's flash kernel. Rotary embedding and the K/V write are torch ops.
-- CpuKernelAttention (CPU, tessera_engine.cpu_kernels): decodes read K/V from the cache
-  blocks in place given the block tables and context lengths (float32 scores and
-  softmax, one pass per (request, KV head)); rotary and the K/V write are one fused
-  kernel that indexes the whole cos/sin tables by position.
-- Prefill chunks, both backends: padded into groups of similar context length and
+- CpuKernelAttention (CPU, tessera_engine.cpu_kernels): every token of the step, a
+  prefill chunk's too, attends as a decode of its own position: the kernel reads K/V
+  from the cache blocks in place given a block table and context length per token
+  (float32 scores and softmax, one pass per (token, KV head)), so chunks need no
+  padding, mask or gather; rotary and the K/V write are one fused kernel that indexes
+  the whole cos/sin tables by position.
+- Prefill chunks, TorchAttention: padded into groups of similar context length and
   attended with one SDPA call per group: queries gathered from the flat batch, keys
   and values gathered from the cache (already holding this step's K/V) straight into
   [N, KVH, Lk, d], with a causal + length mask; so a chunk that continues a request
@@ -248,7 +250,7 @@ class TorchAttention:
 
 
 class CpuKernelAttention(TorchAttention):
-    """Decodes and the rotary + K/V write in tessera's fused CPU kernels; prefill as TorchAttention."""
+    """Attention (decodes and prefill chunks alike) and the rotary + K/V write in tessera's fused CPU kernels."""
 
     name = "cpu_kernels"
 
@@ -256,6 +258,29 @@ class CpuKernelAttention(TorchAttention):
                  device: torch.device) -> None:
         super().__init__(block_size, num_kv_heads, dtype, device)
         self.kernels = kernels
+
+    def build_metadata(self, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                       decodes: list[DecodeEntry], chunks: list[PrefillChunk]) -> AttentionMetadata:
+        """Every token of the step, prefill chunks' too, attends as a decode of its own position.
+
+        The decode kernel reads each query row's context straight from the cache blocks, so a
+        chunk needs no padding, no mask and no gather: measured on this model, 512 tokens of
+        short chunks take 0.44 ms a layer against 1.2-1.9 ms for the padded SDPA groups, and
+        one 450-token causal prompt 2.9 ms against 3.9 ms. The chunks follow the decodes in the
+        flat batch, in order (the model runner lays the batch out so).
+        """
+        if not chunks:
+            return AttentionMetadata(slot_mapping, positions, len(decodes), self._decode_metadata(decodes), [])
+        bs = self.block_size
+        tables = [d.block_table[:-(-d.context_len // bs)] for d in decodes]
+        tables += [c.block_table[:-(-c.end // bs)] for c in chunks]
+        max_blocks = max(map(len, tables))
+        table_rows = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        repeats = torch.tensor([1] * len(decodes) + [c.end - c.start for c in chunks], dtype=torch.long)
+        lens = [torch.tensor([d.context_len for d in decodes], dtype=torch.long)]
+        lens += [torch.arange(c.start + 1, c.end + 1, dtype=torch.long) for c in chunks]
+        meta = KernelDecodeMetadata(table_rows.repeat_interleave(repeats, dim=0).contiguous(), torch.cat(lens))
+        return AttentionMetadata(slot_mapping, positions, meta.context_lens.numel(), meta, [])
 
     def _decode_metadata(self, decodes: list[DecodeEntry]) -> KernelDecodeMetadata:
         max_blocks = max(len(d.block_table) for d in decodes)

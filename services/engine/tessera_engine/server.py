@@ -27,6 +27,7 @@ import grpc
 from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.heap import freeze_startup_heap
 from tessera.common.grpc_service import Health
 from tessera.common.logs import client_request_id, setup_logging
 from tessera.common.metrics import add_metrics_flag
@@ -106,6 +107,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_blocks=self.core.kv_cache.num_blocks, enable_prefix_caching=self.config.enable_prefix_caching)
         self.metrics.record_step(self.core.stats(), None)
         self.watcher = asyncio.create_task(self._watch_loop(), name="core-loop-watcher")
+        freeze_startup_heap(log)
         await self.health.set(True)
         log.info("engine ready", extra={"model": self.core.model_name, "num_blocks": self.core.kv_cache.num_blocks})
 

@@ -25,6 +25,7 @@ import grpc
 from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.heap import freeze_startup_heap
 from tessera.common.grpc_service import Health
 from tessera.common.logs import setup_logging
 from tessera.common.metrics import add_metrics_flag
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def watch_readiness(llm: AsyncLLM, health: Health) -> None:
     """Keep the health status in step with the backends (read ModelInfo once the tokenizer is up)."""
     serving: bool | None = None
+    frozen = False
     while True:
         if llm.tokenizer.model_info is None and await llm.tokenizer.is_serving():
             try:
@@ -93,6 +95,9 @@ async def watch_readiness(llm: AsyncLLM, health: Health) -> None:
             except grpc.aio.AioRpcError as exc:
                 log.warning("GetModelInfo failed", extra={"error": exc.details()})
         ready = llm.ready
+        if ready and not frozen:
+            freeze_startup_heap(log)  # first time ready: the backends' clients and ModelInfo are in
+            frozen = True
         if ready != serving:
             await health.set(ready)
             log.info("health changed", extra={"serving": ready,

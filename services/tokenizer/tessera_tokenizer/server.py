@@ -27,6 +27,7 @@ import grpc
 from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.heap import freeze_startup_heap
 from tessera.common.grpc_service import request_id_from
 from tessera.common.logs import setup_logging
 from tessera.common.metrics import add_metrics_flag
@@ -362,6 +363,7 @@ async def serve(args: argparse.Namespace) -> int:
             log.info("tokenizer loaded", extra={
                 "model": info.model_name, "vocab_size": info.vocab_size,
                 "max_model_len": info.max_model_len, "load_s": round(time.perf_counter() - started, 3)})
+            freeze_startup_heap(log)
             await grpc_server.health.set(True)
             await stop_wait
     stop_wait.cancel()

@@ -296,7 +296,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(per * sh.g * d);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / parts, h0 = (w % parts) * per;
+      // rows taken from both ends in turn: a prefill chunk's rows have growing contexts, and
+      // each thread's contiguous range of w then holds short and long rows alike
+      const int64_t r = w / parts, i = (r & 1) ? N - 1 - r / 2 : r / 2, h0 = (w % parts) * per;
       const int64_t L = lens[i];
       scores.resize(per * sh.g * L);
       fn(qp + i * q_row, q_head, kp, vp, tables + i * max_blocks, L, h0, h0 + per, sh, scores.data(),

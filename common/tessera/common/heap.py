@@ -1,0 +1,23 @@
+"""The Python heap of a long-running service process.
+
+`freeze_startup_heap` is called once a service has loaded what it keeps for its whole
+life (model, tokenizer, compiled protos, imported modules): it collects once, then moves
+every object that survived into the collector's permanent generation (gc.freeze). Later
+full collections then walk only what requests allocate, not the few hundred thousand
+objects of torch, transformers and the model: measured in the engine, a full collection
+during a step cost about 150 ms, which landed on the first step of a burst (its
+requests' objects tip the collector over) and so on those requests' time to first token.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+
+def freeze_startup_heap(log: logging.Logger) -> None:
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.info("startup heap frozen", extra={"objects": gc.get_freeze_count(),
+                                           "ms": round((time.perf_counter() - t0) * 1000, 1)})

@@ -179,3 +179,19 @@ def test_refuses_too_long_and_bad_ids(make_core):
     with pytest.raises(RequestRejected, match="already running"):
         core.add_request(EngineCoreRequest("ok", [1, 2, 3], greedy(4)))
     assert len(core.generate([])[("ok", 0)]) <= 4
+
+
+def test_warm_up_before_serving_leaves_no_trace(make_core, chat_prompts, hf_greedy):
+    """The service warms a fresh core up (a full-budget prefill and a decode batch over free
+    blocks) before serving: every block is still free after, the outputs still equal HF's
+    (the garbage K/V it wrote are overwritten before they are read), and a core that has
+    taken a request refuses to warm up."""
+    core = make_core(enable_prefix_caching=True)
+    core.warm_up()
+    stats = core.stats()
+    assert stats.num_blocks_free == stats.num_blocks_total and stats.prefix_cache_queries == 0
+    out = core.generate(requests(chat_prompts[:6], greedy(MAX_NEW)))
+    assert_matches_hf(out, chat_prompts[:6], hf_greedy)
+    core.add_request(EngineCoreRequest("late", chat_prompts[0], greedy(4)))
+    with pytest.raises(RuntimeError, match="before any request"):
+        core.warm_up()

@@ -144,6 +144,14 @@ class EngineCore:
         """One step's outputs (run_step without its stats)."""
         return self.run_step().outputs
 
+    def warm_up(self) -> None:
+        """Run a full step's shapes once before serving (ModelRunner.warm_up says why)."""
+        if self.has_unfinished() or self.kv_cache.stats().num_free_blocks != self.kv_cache.num_blocks:
+            raise RuntimeError("warm_up runs only before any request")
+        times = self.executor.runner.warm_up(min(self.scheduler.token_budget, self.max_model_len),
+                                             self.config.max_num_seqs)
+        log.info("warmed up", extra=times)
+
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats()
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.num_blocks,

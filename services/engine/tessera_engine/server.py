@@ -139,6 +139,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         def core_thread() -> None:
             try:
                 core = EngineCore(self.config)
+                core.warm_up()
                 fault_injection.arm_from_env(core)
                 runner = EngineCoreLoop(core, self._on_outputs)
             except BaseException as exc:  # noqa: BLE001 (handed to load(), which raises it)

@@ -90,3 +90,26 @@ def test_any_request_is_refused_clearly_or_served_and_the_engine_keeps_serving(c
     assert run_to_end(core)[("good", 0)].__len__() == 3
     stats = core.stats()
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_the_waiting_queue_is_capped_and_the_queued_requests_still_finish():
+    """--max-waiting-requests: a request whose samples would take the waiting queue past the
+    cap is refused with RESOURCE_EXHAUSTED naming the flag; those queued run to completion and
+    the queue takes new requests again once they have started."""
+    cfg, hf = tiny_hf_llama(max_len=64)
+    core = EngineCore(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=32, max_num_seqs=8,
+                                   max_waiting_requests=3), loaded=tiny_loaded(cfg, hf))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    core.add_request(EngineCoreRequest("a", [1, 2, 3], params))
+    core.add_request(EngineCoreRequest("b", [4, 5], SamplingParams(temperature=0.0, max_tokens=4, n=2,
+                                                                   ignore_eos=True)))
+    for rid, n in (("c", 1), ("d", 2)):
+        with pytest.raises(RequestRejected) as refused:
+            core.add_request(EngineCoreRequest(rid, [6], SamplingParams(temperature=0.0, max_tokens=4, n=n)))
+        assert refused.value.code == "RESOURCE_EXHAUSTED" and "--max-waiting-requests 3" in str(refused.value)
+    first = core.step()  # all three samples start: the queue is empty again
+    core.add_request(EngineCoreRequest("e", [7, 8], params))
+    out = run_to_end(core)
+    for o in first:
+        out[(o.request_id, o.index)] = o.new_token_ids + out.get((o.request_id, o.index), [])
+    assert {k: len(v) for k, v in out.items()} == {("a", 0): 4, ("b", 0): 4, ("b", 1): 4, ("e", 0): 4}

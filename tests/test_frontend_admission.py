@@ -70,6 +70,7 @@ def test_over_the_cap_is_refused_and_admitted_requests_finish(stack, limited):
     with pytest.raises(openai.RateLimitError) as too_many:
         client.completions.create(model="", prompt="Hello", max_tokens=4)
     assert too_many.value.status_code == 429
+    assert too_many.value.response.headers["retry-after"] == "1"
     assert too_many.value.body["code"] == "rate_limit_exceeded"
     assert set(too_many.value.body) == {"message", "type", "param", "code"}
 

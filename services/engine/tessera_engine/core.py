@@ -101,6 +101,12 @@ class EngineCore:
             raise RequestRejected(
                 "RESOURCE_EXHAUSTED",
                 f"request needs {needed} KV blocks but the cache has only {self.kv_cache.num_blocks}")
+        cap = self.config.max_waiting_requests
+        if cap and len(self.scheduler.waiting) + p.n > cap:
+            raise RequestRejected(
+                "RESOURCE_EXHAUSTED",
+                f"the engine's waiting queue is full ({len(self.scheduler.waiting)} samples waiting, "
+                f"--max-waiting-requests {cap}); retry later")
         if any((req.request_id, i) in self.scheduler.requests for i in range(p.n)):
             raise RequestRejected("ALREADY_EXISTS", f"request_id {req.request_id!r} is already running")
 

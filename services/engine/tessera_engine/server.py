@@ -269,6 +269,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-num-seqs", "TESSERA_MAX_NUM_SEQS", 256, type=int, help="cap on running sequences")
     add_flag(p, "--max-logprobs", "TESSERA_MAX_LOGPROBS", 20, type=int,
              help="cap on logprobs / prompt_logprobs a request may ask for (the frontend's flag of the same name)")
+    add_flag(p, "--max-waiting-requests", "TESSERA_MAX_WAITING_REQUESTS", 1024, type=int,
+             help="samples waiting to start past which new requests are refused with RESOURCE_EXHAUSTED "
+                  "(HTTP 429 at the frontend; 0: no cap)")
     add_flag(p, "--max-num-batched-tokens", "TESSERA_MAX_NUM_BATCHED_TOKENS", None, type=int,
              help="token budget per step (default: 512 on CPU, 2048 on CUDA)")
     add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
@@ -299,7 +302,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
         idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,

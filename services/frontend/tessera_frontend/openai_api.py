@@ -51,6 +51,7 @@ from tessera_frontend.openai_protocol import (ApiError, ChatCompletionRequest, C
 from tessera_frontend.validation import Limits, ValidationError, validate_request_id
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # seconds, on 429 answers
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -74,7 +75,10 @@ def create_app(llm: AsyncLLM, limits: Limits, admission: AdmissionController,
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # 429 (the frontend's in-flight cap, the engine's waiting cap) is load that passes:
+        # Retry-After tells clients and proxies when to try again instead of at once
+        headers = {"retry-after": str(RETRY_AFTER_S)} if exc.status == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:

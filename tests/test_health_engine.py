@@ -1,7 +1,8 @@
 """The engine's health tells the truth: when its core loop dies (test-only fault injection,
-TESSERA_ENGINE_FAULT_AFTER_STEPS) grpc.health.v1 goes NOT_SERVING, the HTTP /health on the
-metrics port answers 503, the open Session ends with UNAVAILABLE instead of hanging, and
-new sessions are refused."""
+TESSERA_ENGINE_FAULT_AFTER_STEPS) or a step hangs past --step-timeout-s
+(TESSERA_ENGINE_HANG_AFTER_STEPS), grpc.health.v1 goes NOT_SERVING, the HTTP /health on the
+metrics port answers 503, the open Session ends with UNAVAILABLE instead of hanging, new
+sessions are refused, and the process then exits with code 1 (so it is restarted)."""
 from __future__ import annotations
 
 import pathlib
@@ -74,6 +75,50 @@ def test_engine_goes_not_serving_when_its_loop_dies():
             assert exc.code() == grpc.StatusCode.UNAVAILABLE
         assert any(x.get("msg") == "engine core loop is dead; health is NOT_SERVING" and x["level"] == "ERROR"
                    for x in json_lines(log))
+        assert svc.process.wait(timeout=30) == 1, svc.log_tail()
+        assert any(x.get("msg") == "exiting so that the engine is restarted" for x in json_lines(log))
+    finally:
+        channel.close()
+        svc.stop()
+
+
+def test_a_step_past_the_watchdog_limit_fails_its_requests_and_exits_the_engine():
+    log = pathlib.Path(tempfile.mkdtemp(prefix="tessera-engine-watchdog-")) / "engine.log"
+    svc = Service("engine", "tessera_engine", free_port(),
+                  ["--num-kv-blocks", "32", "--max-model-len", "256", "--step-timeout-s", "2"],
+                  log, env={"TESSERA_ENGINE_HANG_AFTER_STEPS": "3"})
+    svc.start()
+    channel = grpc.insecure_channel(svc.addr, options=CHANNEL_OPTIONS)
+    try:
+        def status():
+            try:
+                return health_status(channel)
+            except grpc.RpcError:
+                return None
+
+        wait_for(lambda: status() == SERVING, 300, "SERVING", interval=0.2)
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        inputs: queue.Queue = queue.Queue()
+        call = stub.Session(iter(inputs.get, None), timeout=60)
+        inputs.put(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
+            request_id="stuck", prompt_token_ids=[1, 2, 3, 4],
+            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))]))
+        started = time.monotonic()
+        tokens = 0
+        try:
+            for msg in call:
+                tokens += sum(len(o.new_token_ids) for o in msg.outputs)
+            raise AssertionError("the session ended without an error")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            assert "--step-timeout-s (2 s)" in exc.details()
+        assert tokens == 3  # one token per step until the fourth hung
+        assert time.monotonic() - started < 20
+        inputs.put(None)
+        assert status() == NOT_SERVING
+        assert svc.process.wait(timeout=30) == 1, svc.log_tail()
+        assert any(x.get("msg") == "engine core loop is dead; health is NOT_SERVING"
+                   and "step-timeout-s" in x.get("error", "") for x in json_lines(log))
     finally:
         channel.close()
         svc.stop()

@@ -28,6 +28,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_logprobs: int = 20             # cap on logprobs / prompt_logprobs per position (vLLM's default)
     max_waiting_requests: int = 1024   # samples waiting to start past which new requests are refused (0: no cap)
+    step_timeout_s: float = 60.0       # the engine service's watchdog on one step (0: off)
     max_num_batched_tokens: int | None = None  # token budget per step; None: see token_budget()
     scheduling_policy: str = "fcfs"    # fcfs or priority
     # the core loop: how long an idle engine waits for a burst the frontend says is coming
@@ -95,6 +96,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if not self.step_timeout_s >= 0:
+            raise ValueError("step_timeout_s must be >= 0")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

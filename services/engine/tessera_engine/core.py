@@ -204,6 +204,7 @@ class EngineCoreLoop:
         self.thread = threading.Thread(target=self.run_loop, name="engine-core", daemon=True)
         self.stopped = False
         self.error: BaseException | None = None
+        self.step_started: float | None = None  # time.monotonic() while a step runs (the watchdog reads it)
 
     def start(self) -> None:
         self.thread.start()
@@ -291,7 +292,9 @@ class EngineCoreLoop:
                 handled = self._take_inputs(outs, idle=not self.core.has_unfinished())
                 if handled is None:
                     return
+                self.step_started = time.monotonic()
                 result = self.core.run_step()
+                self.step_started = None
                 outs.extend(result.outputs)
                 iteration = result.iteration
                 if iteration is not None and log.isEnabledFor(logging.DEBUG):

@@ -6,12 +6,15 @@ the core loop's per-step outputs are grouped by session and each session gets
 one EngineStepOutputs message per step. Closing a session aborts its requests.
 
 Health is SERVING only while the model is loaded and the core loop runs: a watcher
-turns it NOT_SERVING when the loop dies, and ends every open session with
-UNAVAILABLE so that no request waits forever on a dead loop. The same truth is on
-the metrics port's HTTP /health.
+turns it NOT_SERVING when the loop dies or one step runs past --step-timeout-s (the
+watchdog), ends every open session with UNAVAILABLE so that no request waits forever,
+and EXIT_AFTER_FAILURE_S later stops the process with exit code 1, so that compose's
+restart policy or Kubernetes starts a fresh one. The same truth is on the metrics
+port's HTTP /health until then.
 
 Test-only fault injection (tessera_engine.fault_injection): with the environment variable
-TESSERA_ENGINE_FAULT_AFTER_STEPS=N the core loop raises instead of running step N+1.
+TESSERA_ENGINE_FAULT_AFTER_STEPS=N the core loop raises instead of running step N+1;
+with TESSERA_ENGINE_HANG_AFTER_STEPS=N step N+1 never returns.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import itertools
 import logging
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -45,6 +49,7 @@ log = logging.getLogger("tessera.engine")
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
 LOOP_WATCH_S = 0.25  # how often the watcher checks that the core loop is alive
+EXIT_AFTER_FAILURE_S = 3.0  # NOT_SERVING and the sessions' UNAVAILABLE go out before the process exits
 _LOOP_DIED = object()  # put on every session queue when the core loop dies
 _INPUTS_ENDED = object()  # put on a session's queue when its client's inputs end
 
@@ -86,9 +91,12 @@ def stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, config: EngineConfig, health: Health) -> None:
+    def __init__(self, config: EngineConfig, health: Health, request_stop: Callable[[], None]) -> None:
         self.config = config
         self.health = health
+        self.request_stop = request_stop  # the process's stop (the watcher's, on a dead or stuck loop)
+        self.failure: str | None = None   # why the loop is dead or stuck, once it is
+        self.exit_code = 0
         self.core: EngineCore | None = None
         self.loop_runner: EngineCoreLoop | None = None
         self.metrics: EngineMetrics | None = None
@@ -112,17 +120,29 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         log.info("engine ready", extra={"model": self.core.model_name, "num_blocks": self.core.kv_cache.num_blocks})
 
     async def _watch_loop(self) -> None:
-        """Turn NOT_SERVING and end every session (UNAVAILABLE) once the core loop is dead."""
+        """Once the core loop is dead or a step overruns --step-timeout-s: NOT_SERVING, every
+        session ended (UNAVAILABLE), then the process stopped with exit code 1."""
         runner = self.loop_runner
+        limit = self.config.step_timeout_s
         while runner.alive():
+            started = runner.step_started
+            if limit and started is not None and time.monotonic() - started > limit:
+                self.failure = f"a step ran past --step-timeout-s ({limit:g} s)"
+                break
             await asyncio.sleep(LOOP_WATCH_S)
-        if runner.stopped and runner.error is None:
-            return  # stopped on purpose
+        else:
+            if runner.stopped and runner.error is None:
+                return  # stopped on purpose
+            self.failure = f"engine core loop died: {runner.error!r}"
         log.error("engine core loop is dead; health is NOT_SERVING",
-                  extra={"error": repr(runner.error), "sessions": len(self.sessions)})
+                  extra={"error": self.failure, "sessions": len(self.sessions), "exit_in_s": EXIT_AFTER_FAILURE_S})
         await self.health.set(False)
         for q in self.sessions.values():
             q.put_nowait(_LOOP_DIED)
+        await asyncio.sleep(EXIT_AFTER_FAILURE_S)
+        log.error("exiting so that the engine is restarted", extra={"exit_code": 1})
+        self.exit_code = 1
+        self.request_stop()
 
     async def _start_core_thread(self) -> EngineCoreLoop:
         """Load the model on a new thread that then runs the core loop; return the loop once loaded.
@@ -175,7 +195,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(o) for o in outs]))
 
     def _ready(self, context) -> bool:
-        return self.loop_runner is not None and self.loop_runner.alive()
+        return self.loop_runner is not None and self.loop_runner.alive() and self.failure is None
 
     async def Session(self, request_iterator, context):
         if not self._ready(context):
@@ -207,8 +227,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     reader.result()  # re-raise a reader failure
                     break  # the client closed its side
                 if item is _LOOP_DIED:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"engine core loop died: {self.loop_runner.error!r}")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
                 yield item
         finally:
             reader.cancel()
@@ -272,6 +291,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--max-waiting-requests", "TESSERA_MAX_WAITING_REQUESTS", 1024, type=int,
              help="samples waiting to start past which new requests are refused with RESOURCE_EXHAUSTED "
                   "(HTTP 429 at the frontend; 0: no cap)")
+    add_flag(p, "--step-timeout-s", "TESSERA_STEP_TIMEOUT_S", 60.0, type=float,
+             help="watchdog: a step running longer turns the engine NOT_SERVING and exits it non-zero "
+                  "(vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S; 0: off)")
     add_flag(p, "--max-num-batched-tokens", "TESSERA_MAX_NUM_BATCHED_TOKENS", None, type=int,
              help="token budget per step (default: 512 on CPU, 2048 on CUDA)")
     add_flag(p, "--scheduling-policy", "TESSERA_SCHEDULING_POLICY", "fcfs", choices=["fcfs", "priority"], help="queue order")
@@ -303,6 +325,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_logprobs=args.max_logprobs, max_waiting_requests=args.max_waiting_requests,
+        step_timeout_s=args.step_timeout_s,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
         idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
@@ -315,7 +338,7 @@ async def serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     config.validate()
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
-    servicer = EngineServicer(config, grpc_server.health)
+    servicer = EngineServicer(config, grpc_server.health, grpc_server.request_stop)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)
     try:
         await grpc_server.start(args.host, args.port, args.metrics_port)
@@ -332,8 +355,8 @@ async def serve(args: argparse.Namespace) -> int:
     await grpc_server.stop()
     if servicer.loop_runner:
         servicer.loop_runner.stop()
-    log.info("stopped")
-    return 0
+    log.info("stopped", extra={"exit_code": servicer.exit_code})
+    return servicer.exit_code
 
 
 def _report_load_failure(task: asyncio.Task) -> None:

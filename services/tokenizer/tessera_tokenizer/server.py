@@ -27,8 +27,8 @@ import grpc
 from tessera.common import aio
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import BindError, GrpcServer
-from tessera.common.heap import freeze_startup_heap
 from tessera.common.grpc_service import request_id_from
+from tessera.common.heap import freeze_startup_heap
 from tessera.common.logs import setup_logging
 from tessera.common.metrics import add_metrics_flag
 from tessera.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc

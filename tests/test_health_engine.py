@@ -23,6 +23,28 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def _session_until_it_fails(channel, request_id: str) -> tuple[int, str, float]:
+    """One long request on a new Session, read until the session ends: it must end with
+    UNAVAILABLE; returns the tokens streamed before, the status details and the seconds it took."""
+    stub = engine_pb2_grpc.EngineServiceStub(channel)
+    inputs: queue.Queue = queue.Queue()
+    call = stub.Session(iter(inputs.get, None), timeout=60)
+    inputs.put(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
+        request_id=request_id, prompt_token_ids=[1, 2, 3, 4],
+        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))]))
+    started = time.monotonic()
+    tokens = 0
+    try:
+        for msg in call:
+            tokens += sum(len(o.new_token_ids) for o in msg.outputs)
+        raise AssertionError("the session ended without an error")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        return tokens, exc.details(), time.monotonic() - started
+    finally:
+        inputs.put(None)
+
+
 def test_engine_goes_not_serving_when_its_loop_dies():
     log = pathlib.Path(tempfile.mkdtemp(prefix="tessera-engine-health-")) / "engine.log"
     svc = Service("engine", "tessera_engine", free_port(), ["--num-kv-blocks", "32", "--max-model-len", "256"],
@@ -46,23 +68,10 @@ def test_engine_goes_not_serving_when_its_loop_dies():
         assert health_status(channel, "tessera.v1.EngineService") == SERVING
 
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        inputs: queue.Queue = queue.Queue()
-        call = stub.Session(iter(inputs.get, None), timeout=60)
-        inputs.put(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
-            request_id="doomed", prompt_token_ids=[1, 2, 3, 4],
-            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))]))
-        started = time.monotonic()
-        tokens = 0
-        try:
-            for msg in call:
-                tokens += sum(len(o.new_token_ids) for o in msg.outputs)
-            raise AssertionError("the session ended without an error")
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-            assert "core loop died" in exc.details()
+        tokens, details, seconds = _session_until_it_fails(channel, "doomed")
+        assert "core loop died" in details
         assert tokens == FAULT_AFTER  # one token per step until the loop died
-        assert time.monotonic() - started < 30
-        inputs.put(None)
+        assert seconds < 30
 
         wait_for(lambda: status() == NOT_SERVING, 5, "NOT_SERVING")
         assert health_status(channel, "tessera.v1.EngineService") == NOT_SERVING
@@ -97,24 +106,10 @@ def test_a_step_past_the_watchdog_limit_fails_its_requests_and_exits_the_engine(
                 return None
 
         wait_for(lambda: status() == SERVING, 300, "SERVING", interval=0.2)
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
-        inputs: queue.Queue = queue.Queue()
-        call = stub.Session(iter(inputs.get, None), timeout=60)
-        inputs.put(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
-            request_id="stuck", prompt_token_ids=[1, 2, 3, 4],
-            sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))]))
-        started = time.monotonic()
-        tokens = 0
-        try:
-            for msg in call:
-                tokens += sum(len(o.new_token_ids) for o in msg.outputs)
-            raise AssertionError("the session ended without an error")
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-            assert "--step-timeout-s (2 s)" in exc.details()
+        tokens, details, seconds = _session_until_it_fails(channel, "stuck")
+        assert "--step-timeout-s (2 s)" in details
         assert tokens == 3  # one token per step until the fourth hung
-        assert time.monotonic() - started < 20
-        inputs.put(None)
+        assert seconds < 20
         assert status() == NOT_SERVING
         assert svc.process.wait(timeout=30) == 1, svc.log_tail()
         assert any(x.get("msg") == "engine core loop is dead; health is NOT_SERVING"

@@ -269,25 +269,17 @@ class CpuKernelAttention(TorchAttention):
         one 450-token causal prompt 2.9 ms against 3.9 ms. The chunks follow the decodes in the
         flat batch, in order (the model runner lays the batch out so).
         """
-        if not chunks:
-            return AttentionMetadata(slot_mapping, positions, len(decodes), self._decode_metadata(decodes), [])
         bs = self.block_size
         tables = [d.block_table[:-(-d.context_len // bs)] for d in decodes]
         tables += [c.block_table[:-(-c.end // bs)] for c in chunks]
         max_blocks = max(map(len, tables))
         table_rows = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        repeats = torch.tensor([1] * len(decodes) + [c.end - c.start for c in chunks], dtype=torch.long)
-        lens = [torch.tensor([d.context_len for d in decodes], dtype=torch.long)]
-        lens += [torch.arange(c.start + 1, c.end + 1, dtype=torch.long) for c in chunks]
-        meta = KernelDecodeMetadata(table_rows.repeat_interleave(repeats, dim=0).contiguous(), torch.cat(lens))
-        return AttentionMetadata(slot_mapping, positions, meta.context_lens.numel(), meta, [])
-
-    def _decode_metadata(self, decodes: list[DecodeEntry]) -> KernelDecodeMetadata:
-        max_blocks = max(len(d.block_table) for d in decodes)
-        return KernelDecodeMetadata(
-            torch.tensor([d.block_table + [0] * (max_blocks - len(d.block_table)) for d in decodes],
-                         dtype=torch.long),
-            torch.tensor([d.context_len for d in decodes], dtype=torch.long))
+        lens = torch.tensor([d.context_len for d in decodes], dtype=torch.long)
+        if chunks:  # one row per chunk token: its chunk's table, and its own position + 1
+            repeats = torch.tensor([1] * len(decodes) + [c.end - c.start for c in chunks], dtype=torch.long)
+            table_rows = table_rows.repeat_interleave(repeats, dim=0)
+            lens = torch.cat([lens] + [torch.arange(c.start + 1, c.end + 1, dtype=torch.long) for c in chunks])
+        return AttentionMetadata(slot_mapping, positions, lens.numel(), KernelDecodeMetadata(table_rows, lens), [])
 
     def rotary_tables(self, rotary, dtype: torch.dtype, positions: torch.Tensor):
         """The whole tables: the fused kernel indexes them by position itself."""

@@ -18,7 +18,7 @@ HANG_ENV = "TESSERA_ENGINE_HANG_AFTER_STEPS"
 
 
 def arm_from_env(core) -> None:
-    """Arm the fault on this core when FAULT_ENV or HANG_ENV is set; otherwise leave it untouched."""
+    """Arm the faults set in this process's environment on this core; otherwise leave it untouched."""
     raw = os.environ.get(FAULT_ENV, "").strip()
     if raw:
         arm(core, int(raw))
@@ -27,28 +27,33 @@ def arm_from_env(core) -> None:
         arm_hang(core, int(raw))
 
 
+def arm(core, after_steps: int) -> None:
+    """Step after_steps + 1 raises: the core loop dies."""
+    def fail():
+        raise RuntimeError(f"injected fault after {core.step_count} steps ({FAULT_ENV})")
+
+    _before_step(core, after_steps, fail)
+    log.warning("fault injection armed: the core loop will die after %d steps", after_steps,
+                extra={"env": FAULT_ENV})
+
+
 def arm_hang(core, after_steps: int) -> None:
     """Step after_steps + 1 never returns (the watchdog's test)."""
-    run_step = core.run_step
+    def hang():
+        log.warning("fault injection: this step hangs", extra={"env": HANG_ENV})
+        threading.Event().wait()
 
-    def run_step_or_hang():
-        if core.has_unfinished() and core.step_count >= after_steps:
-            log.warning("fault injection: this step hangs", extra={"env": HANG_ENV})
-            threading.Event().wait()
-        return run_step()
-
-    core.run_step = run_step_or_hang
+    _before_step(core, after_steps, hang)
     log.warning("fault injection armed: step %d will hang", after_steps + 1, extra={"env": HANG_ENV})
 
 
-def arm(core, after_steps: int) -> None:
+def _before_step(core, after_steps: int, fault) -> None:
+    """Wrap core.run_step: once after_steps steps have run and there is work, `fault()` first."""
     run_step = core.run_step
 
-    def run_step_or_fail():
+    def run_step_with_fault():
         if core.has_unfinished() and core.step_count >= after_steps:
-            raise RuntimeError(f"injected fault after {core.step_count} steps ({FAULT_ENV})")
+            fault()
         return run_step()
 
-    core.run_step = run_step_or_fail
-    log.warning("fault injection armed: the core loop will die after %d steps", after_steps,
-                extra={"env": FAULT_ENV})
+    core.run_step = run_step_with_fault

@@ -95,8 +95,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.config = config
         self.health = health
         self.request_stop = request_stop  # the process's stop (the watcher's, on a dead or stuck loop)
-        self.failure: str | None = None   # why the loop is dead or stuck, once it is
-        self.exit_code = 0
+        self.failure: str | None = None   # why the loop is dead or stuck, once it is (the process then exits 1)
         self.core: EngineCore | None = None
         self.loop_runner: EngineCoreLoop | None = None
         self.metrics: EngineMetrics | None = None
@@ -141,7 +140,6 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             q.put_nowait(_LOOP_DIED)
         await asyncio.sleep(EXIT_AFTER_FAILURE_S)
         log.error("exiting so that the engine is restarted", extra={"exit_code": 1})
-        self.exit_code = 1
         self.request_stop()
 
     async def _start_core_thread(self) -> EngineCoreLoop:
@@ -355,8 +353,9 @@ async def serve(args: argparse.Namespace) -> int:
     await grpc_server.stop()
     if servicer.loop_runner:
         servicer.loop_runner.stop()
-    log.info("stopped", extra={"exit_code": servicer.exit_code})
-    return servicer.exit_code
+    code = 1 if servicer.failure else 0
+    log.info("stopped", extra={"exit_code": code})
+    return code
 
 
 def _report_load_failure(task: asyncio.Task) -> None:

@@ -36,6 +36,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
         self.refuse = False  # submit raises NoReplicaError
+        self.replicas = ["fake-engine:1"]  # addresses submit picks from (the first not excluded)
+        self.paused = False  # no steps run while set (requests wait, as in a busy engine's queue)
         self.submitted: list[tuple[engine_pb2.EngineRequest, int, bool]] = []
         self.aborted: list[str] = []
         self.aborted_samples: list[engine_pb2.SampleRef] = []
@@ -54,14 +56,23 @@ class FakeEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False) -> str:
-        if self.refuse:
+    def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False,
+               exclude=()) -> str:
+        left = [r for r in self.replicas if r not in exclude]
+        if self.refuse or not left:
             raise NoReplicaError("no engine replica is connected")
         self.submitted.append((request, num_samples, more_coming))
         self._running[request.request_id] = {i: 0 for i in range(num_samples)}
         self._max_tokens[request.request_id] = request.sampling_params.max_tokens
         self._wake.set()
-        return "fake-engine:1"
+        return left[0]
+
+    def can_retry_elsewhere(self, exclude) -> bool:
+        return any(r not in exclude for r in self.replicas)
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake.set()
 
     def abort(self, request_ids) -> None:
         self.aborted.extend(request_ids)
@@ -79,9 +90,10 @@ class FakeEngine:
 
     async def _run(self) -> None:
         while True:
-            if not self._running:
+            if not self._running or self.paused:
                 self._wake.clear()
                 await self._wake.wait()
+                continue
             step = engine_pb2.EngineStepOutputs()
             for request_id, samples in list(self._running.items()):
                 for index, made in list(samples.items()):
@@ -309,6 +321,42 @@ async def test_a_lost_engine_fails_its_requests():
                 pass
         assert info.value.code == grpc.StatusCode.UNAVAILABLE and "went away" in info.value.message
         assert llm.engine.aborted == []  # the engine had dropped it already
+    finally:
+        await llm.close()
+
+
+@run_async
+async def test_a_request_lost_before_its_first_token_is_retried_on_another_replica():
+    engine = FakeEngine()
+    engine.replicas = ["engine-a:1", "engine-b:1"]
+    engine.paused = True
+    llm = started(engine=engine)
+    try:
+        task = asyncio.ensure_future(collect(llm, max_tokens=4))
+        while not engine.submitted:
+            await asyncio.sleep(0)
+        first = engine.submitted[0][0].request_id
+        engine.lose(first, "engine engine-a:1 went away")  # before any token: retried on b
+        while len(engine.submitted) < 2:
+            await asyncio.sleep(0)
+        engine.resume()
+        outs = await task
+        assert text_of(outs) == "Hello, world!" and outs[-1].usage.completion_tokens == 4
+        second = engine.submitted[1][0].request_id
+        assert second != first and second.startswith("r1-")  # a new engine id for the new attempt
+        assert len(llm.processor) == 0
+
+        # with no replica left to try, the failure reaches the caller
+        engine.replicas = ["engine-a:1"]
+        engine.paused = True
+        task = asyncio.ensure_future(collect(llm, request_id="r2", max_tokens=4))
+        while len(engine.submitted) < 3:
+            await asyncio.sleep(0)
+        engine.lose(engine.submitted[2][0].request_id, "engine engine-a:1 went away")
+        with pytest.raises(GenerateError) as info:
+            await task
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and len(engine.submitted) == 3
+        engine.resume()
     finally:
         await llm.close()
 

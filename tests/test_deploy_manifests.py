@@ -338,6 +338,10 @@ def test_compose_shape(compose_bin):
             break
     else:
         pytest.fail("prometheus mounts no configuration")
+    for name in KINDS:  # SIGKILL only after the drain (SIGTERM) has had its time
+        drain = float(services[name]["environment"]["TESSERA_DRAIN_TIMEOUT_S"])
+        grace = services[name]["stop_grace_period"]
+        assert grace.endswith("s") and float(grace[:-1]) > drain, (name, grace, drain)
     published = {p["target"]: p for name in KINDS for p in services[name].get("ports") or []}
     assert {50051, 8000, 9301, 50052, 9302} <= set(published), published
     assert all(p.get("host_ip") == "127.0.0.1" for p in published.values())
@@ -373,6 +377,11 @@ def test_overlay_shape(overlay, kubectl):
             assert c[probe]["grpc"]["port"] == grpc_port, f"{kind} {probe} does not ask its gRPC port"
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]) <= set(c["resources"]["limits"])
         assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+        # preStop sleep, then the drain, both inside the grace period
+        pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre_stop[0] == "sleep", pre_stop
+        drain = float(containers[kind].env["TESSERA_DRAIN_TIMEOUT_S"])
+        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > float(pre_stop[1]) + drain
         assert ("PodDisruptionBudget", f"tessera-{kind}") in by
     for kind in ("frontend", "tokenizer"):
         hpa = by[("HorizontalPodAutoscaler", f"tessera-{kind}")]

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tessera.common import aio
-from tessera.common.flags import DEFAULT_SHUTDOWN_GRACE_S, add_common_flags
+from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S, add_common_flags
 from tessera.common.grpc_server import BindError, GrpcServer, bind_address
 
 from stack import free_port
@@ -40,7 +40,7 @@ def sleeper_handler(started: asyncio.Event) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, {"Sleep": handler})
 
 
-def make_server(grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> tuple[GrpcServer, asyncio.Event]:
+def make_server(grace_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> tuple[GrpcServer, asyncio.Event]:
     server = GrpcServer([SERVICE], log, grace_s=grace_s)
     started = asyncio.Event()
     server.server.add_generic_rpc_handlers([sleeper_handler(started)])
@@ -194,16 +194,17 @@ def test_stop_runs_other_shutdowns_alongside():
     aio.run(run(), "asyncio")
 
 
-def test_shutdown_grace_flag_and_env(monkeypatch):
+def test_drain_timeout_flag_and_env(monkeypatch):
     def parse(argv: list[str]) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
         add_common_flags(parser, 1, "X_PORT")
         return parser.parse_args(argv)
 
-    assert parse([]).shutdown_grace_s == DEFAULT_SHUTDOWN_GRACE_S
-    assert parse(["--shutdown-grace-s", "0"]).shutdown_grace_s == 0
-    monkeypatch.setenv("TESSERA_SHUTDOWN_GRACE_S", "12.5")
-    assert parse([]).shutdown_grace_s == 12.5
-    assert parse(["--shutdown-grace-s", "1"]).shutdown_grace_s == 1
+    assert parse([]).drain_timeout_s == DEFAULT_DRAIN_TIMEOUT_S == 30
+    assert parse(["--drain-timeout-s", "0"]).drain_timeout_s == 0
+    assert parse(["--shutdown-grace-s", "2"]).drain_timeout_s == 2  # the former name
+    monkeypatch.setenv("TESSERA_DRAIN_TIMEOUT_S", "12.5")
+    assert parse([]).drain_timeout_s == 12.5
+    assert parse(["--drain-timeout-s", "1"]).drain_timeout_s == 1
     with pytest.raises(SystemExit):
-        parse(["--shutdown-grace-s", "-1"])
+        parse(["--drain-timeout-s", "-1"])

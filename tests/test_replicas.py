@@ -9,6 +9,7 @@ a request is read from its "request submitted" log lines (field `engine`).
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 
@@ -160,6 +161,51 @@ def test_one_name_resolving_to_both_engines(replicas, stack):
             await llm.close()
 
     asyncio.run(scenario())
+
+
+def _long_request(text: str, request_id: str, max_tokens: int) -> frontend_pb2.GenerateRequest:
+    chat = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content=text)])
+    return frontend_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling_params=common_pb2.SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_sigterm_drains_a_replica_without_failing_a_request(replicas):
+    """SIGTERM on engine B under load: B turns NOT_SERVING, runs what it has to the end and exits 0;
+    not one request fails, and requests sent during B's drain are served by A."""
+    engine_a, engine_b, frontend, stub = replicas
+    running = [stub.Generate(_long_request(f"Write a long story about {t}.", f"drain-{i}", 40), timeout=180)
+               for i, t in enumerate(TOPICS[:8])]
+    tokens = {i: 0 for i in range(len(running))}
+    for i, call in enumerate(running):  # every request has started (a first token came back)
+        tokens[i] += len(next(call).token_ids)
+    on_b = [rid for rid, addr in _served_by(frontend, "drain-").items() if addr == engine_b.addr]
+    assert on_b, "no request ran on the replica to be drained"
+
+    engine_b.process.send_signal(signal.SIGTERM)
+    with grpc.insecure_channel(engine_b.addr) as channel:  # NOT_SERVING at once
+        deadline = time.monotonic() + 5
+        while health_status(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "the draining engine still says SERVING"
+            time.sleep(0.05)
+    during = _run_concurrently(stub, [f"Name a color of {t}." for t in TOPICS[8:12]], "during-drain-", max_tokens=6)
+    for i, call in enumerate(running):
+        for response in call:
+            tokens[i] += len(response.token_ids)
+    assert tokens == {i: 40 for i in range(len(running))}, tokens
+    assert all(r.usage.completion_tokens == 6 for r in during)
+    # every request sent during the drain ended on A (one refused by B was retried there)
+    final = {}
+    for entry in json_lines(frontend.log_path):
+        if entry.get("msg") == "request submitted" and str(entry.get("request_id", "")).startswith("during-drain-"):
+            final[entry["request_id"]] = entry["engine"]
+    assert set(final.values()) == {engine_a.addr}, final
+    assert engine_b.process.wait(60) == 0, engine_b.log_tail()
+    drained = [e for e in json_lines(engine_b.log_path) if e.get("msg") in ("drained", "drain timed out; aborting the requests still running")]
+    assert drained and drained[-1]["msg"] == "drained", engine_b.log_tail()
+
+    engine_b.start()
+    engine_b.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
+    _wait_both_used(stub, frontend, engine_a.addr, engine_b.addr, seconds=60)
 
 
 def test_killed_replica_is_skipped_and_used_again_after_restart(replicas):

@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 from tessera.common import aio
 
-# Seconds open calls get to finish on SIGTERM/SIGINT (--shutdown-grace-s).
-DEFAULT_SHUTDOWN_GRACE_S = 5.0
+# Seconds in-flight requests get to finish on SIGTERM/SIGINT (--drain-timeout-s). Compose's
+# stop_grace_period and k8s' terminationGracePeriodSeconds (with the preStop sleep) exceed it.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def _parse_bool(value: str) -> bool:
@@ -33,8 +34,10 @@ def add_flag(
     type: Callable[[str], Any] = str,
     help: str = "",
     choices: list[Any] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> None:
-    """Add `flag` whose default comes from environment variable `env` when set."""
+    """Add `flag` (also spelled as each of `aliases`) whose default comes from environment
+    variable `env` when set."""
     if type is bool:
         type = _parse_bool
     raw = os.environ.get(env)
@@ -45,6 +48,7 @@ def add_flag(
             parser.error(f"environment variable {env}={raw!r} is invalid: {exc}")
     parser.add_argument(
         flag,
+        *aliases,
         default=default,
         type=type,
         choices=choices,
@@ -60,12 +64,15 @@ def _non_negative_seconds(value: str) -> float:
 
 
 def add_common_flags(parser: argparse.ArgumentParser, default_port: int, port_env: str) -> None:
-    """Flags every service has: bind host, port, log level, event loop, shutdown grace."""
+    """Flags every service has: bind host, port, log level, event loop, drain timeout."""
     add_flag(parser, "--host", "TESSERA_BIND_HOST", "0.0.0.0", help="address to bind")
     add_flag(parser, "--port", port_env, default_port, type=int, help="gRPC port")
     add_flag(parser, "--log-level", "TESSERA_LOG_LEVEL", "INFO", help="log level",
              choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_flag(parser, "--event-loop", "TESSERA_EVENT_LOOP", "auto", choices=aio.EVENT_LOOPS,
              help="asyncio event loop: uvloop (less CPU per gRPC message) or the standard one; auto = uvloop if installed")
-    add_flag(parser, "--shutdown-grace-s", "TESSERA_SHUTDOWN_GRACE_S", DEFAULT_SHUTDOWN_GRACE_S,
-             type=_non_negative_seconds, help="seconds open calls get to finish on SIGTERM/SIGINT before they are cancelled")
+    add_flag(parser, "--drain-timeout-s", "TESSERA_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
+             type=_non_negative_seconds, aliases=("--shutdown-grace-s",),
+             help="on SIGTERM/SIGINT: NOT_SERVING at once, no new requests, and this long for those in "
+                  "flight to finish before they are cancelled and the process exits (--shutdown-grace-s: "
+                  "its former name)")

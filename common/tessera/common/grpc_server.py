@@ -1,6 +1,6 @@
 """A service process's gRPC server, from start to graceful stop; the three services share it.
 
-    server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
+    server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
     add_FooServicer_to_server(servicer, server.server)        # servicers before start
     await server.start(args.host, args.port, args.metrics_port)  # BindError if it cannot listen
     ...  # load; then `await server.health.set(True)` when ready
@@ -23,8 +23,10 @@ What it does, in this order:
   metrics server closes. What the service owns (model threads, client channels) it closes
   itself after `stop`.
 
-The grace period comes from `--shutdown-grace-s` / TESSERA_SHUTDOWN_GRACE_S (see
-`flags.add_common_flags`).
+The grace period is `--drain-timeout-s` / TESSERA_DRAIN_TIMEOUT_S (see
+`flags.add_common_flags`). A service whose requests ride on long-lived streams (the
+engine's Session) drains them itself before `stop`: closing the server alone would
+let those streams carry new requests until the grace runs out.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from typing import Awaitable, Iterable
 import grpc
 
 from tessera.common import aio
-from tessera.common.flags import DEFAULT_SHUTDOWN_GRACE_S
+from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
 from tessera.common.metrics import MetricsServer, start_metrics_server
 
@@ -58,7 +60,7 @@ class GrpcServer:
     """One service's grpc.aio server with health and reflection; see the module docstring."""
 
     def __init__(self, service_names: Iterable[str], log: logging.Logger, *,
-                 grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, options: list | None = None) -> None:
+                 grace_s: float = DEFAULT_DRAIN_TIMEOUT_S, options: list | None = None) -> None:
         names = list(service_names)
         self.log = log
         self.grace_s = grace_s

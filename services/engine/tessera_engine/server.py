@@ -5,6 +5,12 @@ Each frontend keeps one Session stream open. Requests and aborts arrive on it;
 the core loop's per-step outputs are grouped by session and each session gets
 one EngineStepOutputs message per step. Closing a session aborts its requests.
 
+Drain (SIGTERM / SIGINT): health turns NOT_SERVING at once, new requests on open
+sessions are refused with UNAVAILABLE (the frontend retries a request that has no
+token yet on another replica), requests in flight run to the end for up to
+--drain-timeout-s, then every session is closed (OK) and the process exits 0. What
+is still running when the time is up is aborted.
+
 Health is SERVING only while the model is loaded and the core loop runs: a watcher
 turns it NOT_SERVING when the loop dies or one step runs past --step-timeout-s (the
 watchdog), ends every open session with UNAVAILABLE so that no request waits forever,
@@ -52,6 +58,8 @@ LOOP_WATCH_S = 0.25  # how often the watcher checks that the core loop is alive
 EXIT_AFTER_FAILURE_S = 3.0  # NOT_SERVING and the sessions' UNAVAILABLE go out before the process exits
 _LOOP_DIED = object()  # put on every session queue when the core loop dies
 _INPUTS_ENDED = object()  # put on a session's queue when its client's inputs end
+_DRAINED = object()  # put on every session queue when the drain is over: the session ends (OK)
+DRAINING_MESSAGE = "engine is draining (shutting down): the request was not started; retry it on another replica"
 
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
            "length": common_pb2.FINISH_REASON_LENGTH, "abort": common_pb2.FINISH_REASON_ABORT,
@@ -103,6 +111,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.sessions: dict[str, asyncio.Queue] = {}
         self._session_ids = itertools.count()
         self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        # (session, request id) -> samples not finished, of the requests accepted; drain waits for it to empty
+        self._in_flight: dict[tuple[str, str], int] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     async def load(self) -> None:
         """Load the model off the event loop, then start the core loop and report SERVING."""
@@ -187,10 +200,42 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self.metrics.record_step(stats, iteration)
             for o in finished:
                 self.metrics.record_finished(o)
+        for o in finished:
+            self._note_finished(o.client_id, o.request_id, o.finish_reason == "error")
         for client_id, outs in by_client.items():
             q = self.sessions.get(client_id)
             if q is not None:
                 q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(o) for o in outs]))
+
+    def _note_finished(self, client_id: str, request_id: str, whole_request: bool) -> None:
+        """One sample finished (an error ends the whole request)."""
+        key = (client_id, request_id)
+        left = self._in_flight.get(key)
+        if left is None:
+            return
+        if whole_request or left <= 1:
+            del self._in_flight[key]
+            if not self._in_flight:
+                self._idle.set()
+        else:
+            self._in_flight[key] = left - 1
+
+    async def drain(self, timeout_s: float) -> None:
+        """NOT_SERVING, refuse new requests, wait up to `timeout_s` for those in flight, end every session."""
+        self.draining = True
+        await self.health.set(False)
+        log.info("draining", extra={"in_flight": len(self._in_flight), "sessions": len(self.sessions),
+                                    "drain_timeout_s": timeout_s})
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("drain timed out; aborting the requests still running",
+                        extra={"in_flight": len(self._in_flight), "drain_timeout_s": timeout_s})
+        else:
+            log.info("drained", extra={"seconds": round(time.monotonic() - started, 3)})
+        for q in self.sessions.values():
+            q.put_nowait(_DRAINED)
 
     def _ready(self, context) -> bool:
         return self.loop_runner is not None and self.loop_runner.alive() and self.failure is None
@@ -198,6 +243,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def Session(self, request_iterator, context):
         if not self._ready(context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not ready (model loading or loop stopped)")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         client_id = f"s{next(self._session_ids)}"
         q: asyncio.Queue = asyncio.Queue()
         self.sessions[client_id] = q
@@ -226,11 +273,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     break  # the client closed its side
                 if item is _LOOP_DIED:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
+                if item is _DRAINED:
+                    break
                 yield item
         finally:
             reader.cancel()
             self.sessions.pop(client_id, None)
             self.loop_runner.abort_client(client_id)
+            for key in [k for k in self._in_flight if k[0] == client_id]:  # their outputs have nowhere to go
+                self._note_finished(*key, whole_request=True)
             log.info("session closed", extra={"session": client_id})
 
     def _submit(self, pb: engine_pb2.EngineRequest, client_id: str, q: asyncio.Queue) -> None:
@@ -242,12 +293,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         try:
             if not pb.request_id:
                 raise RequestRejected("INVALID_ARGUMENT", "request_id is empty")
+            if self.draining:
+                raise RequestRejected("UNAVAILABLE", DRAINING_MESSAGE)
             self.core.check_request(req)
         except RequestRejected as exc:
             out = exc.output(req)
             self.metrics.record_finished(out)  # the request's one log line
             q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)]))
             return
+        self._in_flight[(client_id, pb.request_id)] = req.sampling_params.n
+        self._idle.clear()
         log.debug("request added", extra={"request_id": client_request_id(pb.request_id),
                                           "engine_request_id": pb.request_id,
                                           "prompt_tokens": len(req.prompt_token_ids), "n": req.sampling_params.n})
@@ -335,7 +390,7 @@ async def serve(args: argparse.Namespace) -> int:
     that fails to load leaves the engine up and NOT_SERVING (logged)."""
     config = config_from_args(args)
     config.validate()
-    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
+    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
     servicer = EngineServicer(config, grpc_server.health, grpc_server.request_stop)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)
     try:
@@ -350,6 +405,8 @@ async def serve(args: argparse.Namespace) -> int:
     load.cancel()
     if servicer.watcher:
         servicer.watcher.cancel()  # the loop's end at shutdown is no crash
+    if servicer.loop_runner is not None and servicer.failure is None:
+        await servicer.drain(args.drain_timeout_s)
     await grpc_server.stop()
     if servicer.loop_runner:
         servicer.loop_runner.stop()

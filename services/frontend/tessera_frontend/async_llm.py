@@ -12,6 +12,10 @@ Bursts: each submission tells the engine whether more requests are still being
 prepared here (SessionInput.more_coming), so that an idle engine starts a burst of
 concurrent requests in one step.
 
+A request that fails with UNAVAILABLE before it produced any token (its engine replica
+died, or refused it while draining on SIGTERM) is submitted again to another replica,
+up to MAX_ATTEMPTS replicas in all; the client sees one request.
+
 If the consumer goes away first (the call is cancelled or the generator is closed),
 the request is aborted in the engine and cancelled on the detokenize stream. Failures
 surface as `GenerateError(code, message)`.
@@ -26,7 +30,7 @@ once defaults apply, and prompt + max_tokens within the model's length and the
 engines' KV cache; each is INVALID_ARGUMENT naming the field.
 
 Inside, the request runs under an engine request id "<request_id>-<random>": unique
-per attempt (two frontends, or a client reusing its id, never collide in the
+per attempt (a retry gets a new one) (two frontends, or a client reusing its id, never collide in the
 engine), and still greppable by the client's id in every service's logs.
 """
 from __future__ import annotations
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's default
 READY_WAIT_S = 3.0  # how long a request waits for the backends before UNAVAILABLE
+MAX_ATTEMPTS = 3  # replicas a request that produced nothing yet is tried on (see _may_retry)
 
 # Raw text, chat messages (rendered with the chat template), or token ids.
 Prompt = Union[str, tokenizer_pb2.ChatMessages, Sequence[int]]
@@ -151,59 +156,80 @@ class AsyncLLM:
             self._check_prompt(prompt_ids, params)
         finally:
             self._preparing -= 1
-        # The engine and the detokenize stream see a unique id, so a client id that is
-        # reused (even while its previous request is still being aborted) never mixes outputs.
-        engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
-        n = params.n
-        state = RequestState(engine_id, n, _detokenize_open(params, prompt_ids),
-                             want_token_texts=params.HasField("logprobs") or params.HasField("prompt_logprobs"))
-        self.processor.add_request(state)
-        finished = completion_tokens = cached_tokens = 0
-        held: dict[int, GenerationOutput] = {}  # per choice: output not yet yielded (stream_interval)
-        started: set[int] = set()  # choices whose first output went out
-        try:
+        tried: list[str] = []  # replicas this request was submitted to, in order
+        while True:
+            retry = False
+            # The engine and the detokenize stream see a unique id per attempt, so a client id
+            # that is reused (even while its previous request is still being aborted) never
+            # mixes outputs, nor does a retry with its failed attempt.
+            engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+            n = params.n
+            state = RequestState(engine_id, n, _detokenize_open(params, prompt_ids),
+                                 want_token_texts=params.HasField("logprobs") or params.HasField("prompt_logprobs"))
+            self.processor.add_request(state)
+            finished = completion_tokens = cached_tokens = 0
+            held: dict[int, GenerationOutput] = {}  # per choice: output not yet yielded (stream_interval)
+            started: set[int] = set()  # choices whose first output went out
             try:
-                replica = self.engine.submit(engine_pb2.EngineRequest(
-                    request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                    priority=priority, arrival_time=arrival,
-                    eos_token_ids=self.tokenizer.model_info.eos_token_ids), n,
-                    more_coming=self._preparing > 0)
-            except NoReplicaError as exc:
-                raise GenerateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-            log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,
-                                                 "engine": replica,
-                                                 "prompt_tokens": len(prompt_ids), "n": n,
-                                                 "max_tokens": params.max_tokens})
-            while finished < n:
-                out = await state.queue.get()
-                if out.failure is not None:
-                    raise GenerateError(out.failure.code, out.failure.message)
-                completion_tokens += len(out.token_ids)
-                cached_tokens = max(cached_tokens, out.num_cached_tokens)
-                usage = None
-                if out.finished:
-                    finished += 1
-                    if finished == n:
-                        usage = common_pb2.Usage(prompt_tokens=len(prompt_ids),
-                                                 completion_tokens=completion_tokens,
-                                                 cached_prompt_tokens=cached_tokens)
-                gen = GenerationOutput(request_id, out.index, out.text, out.token_ids, out.logprobs,
-                                       out.finish_reason, out.stop_reason, usage, out.stop_token_id,
-                                       out.prompt_logprobs, len(prompt_ids))
-                if out.index in held:
-                    gen = held.pop(out.index).merged_with(gen)
-                if (self.stream_interval > 1 and out.index in started and not gen.finished
-                        and len(gen.token_ids) < self.stream_interval):
-                    held[out.index] = gen  # sent with a later output of this choice
-                    continue
-                started.add(out.index)
-                yield gen
-        finally:
-            self._abort_in_engine(self.processor.release(engine_id))
-            # DEBUG: the API layer's "request finished" line is the request's INFO record of its end
-            log.debug("request done" if finished == n else "request ended early",
-                     extra={"request_id": request_id, "completion_tokens": completion_tokens,
-                            "seconds": round(time.time() - arrival, 4)})
+                try:
+                    replica = self.engine.submit(engine_pb2.EngineRequest(
+                        request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                        priority=priority, arrival_time=arrival,
+                        eos_token_ids=self.tokenizer.model_info.eos_token_ids), n,
+                        more_coming=self._preparing > 0, exclude=tried)
+                except NoReplicaError as exc:
+                    raise GenerateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                tried.append(replica)
+                log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,
+                                                     "engine": replica, "attempt": len(tried),
+                                                     "prompt_tokens": len(prompt_ids), "n": n,
+                                                     "max_tokens": params.max_tokens})
+                while finished < n:
+                    out = await state.queue.get()
+                    if out.failure is not None:
+                        if self._may_retry(out.failure, tried, produced=completion_tokens > 0 or bool(started)):
+                            log.warning("request retried on another replica", extra={
+                                "request_id": request_id, "engine": replica, "code": out.failure.code.name,
+                                "error": out.failure.message})
+                            retry = True
+                            break
+                        raise GenerateError(out.failure.code, out.failure.message)
+                    completion_tokens += len(out.token_ids)
+                    cached_tokens = max(cached_tokens, out.num_cached_tokens)
+                    usage = None
+                    if out.finished:
+                        finished += 1
+                        if finished == n:
+                            usage = common_pb2.Usage(prompt_tokens=len(prompt_ids),
+                                                     completion_tokens=completion_tokens,
+                                                     cached_prompt_tokens=cached_tokens)
+                    gen = GenerationOutput(request_id, out.index, out.text, out.token_ids, out.logprobs,
+                                           out.finish_reason, out.stop_reason, usage, out.stop_token_id,
+                                           out.prompt_logprobs, len(prompt_ids))
+                    if out.index in held:
+                        gen = held.pop(out.index).merged_with(gen)
+                    if (self.stream_interval > 1 and out.index in started and not gen.finished
+                            and len(gen.token_ids) < self.stream_interval):
+                        held[out.index] = gen  # sent with a later output of this choice
+                        continue
+                    started.add(out.index)
+                    yield gen
+            finally:
+                self._abort_in_engine(self.processor.release(engine_id))
+                if not retry:
+                    # DEBUG: the API layer's "request finished" line is the request's INFO record of its end
+                    log.debug("request done" if finished == n else "request ended early",
+                              extra={"request_id": request_id, "completion_tokens": completion_tokens,
+                                     "seconds": round(time.time() - arrival, 4)})
+            if not retry:
+                return
+
+    def _may_retry(self, failure: Failure, tried: list[str], produced: bool) -> bool:
+        """Whether a failed attempt is retried on another replica: only an engine that went away
+        or refused the request while draining (UNAVAILABLE), before the request produced any
+        output, and while a replica it has not tried is there to take it."""
+        return (failure.code == grpc.StatusCode.UNAVAILABLE and not produced and len(tried) < MAX_ATTEMPTS
+                and self.engine.can_retry_elsewhere(tried))
 
     async def wait_ready(self) -> None:
         """Ride out a short reconnect (a backend restarting); fail with UNAVAILABLE after READY_WAIT_S."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Iterable, Sequence
+from typing import Awaitable, Callable, Collection, Iterable, Sequence
 
 import grpc
 
@@ -237,11 +237,13 @@ class EngineCoreClient:
         """The smallest KV cache (in tokens) among replicas: one sequence can never be longer."""
         return self._limit(lambda info: info.num_blocks * info.block_size)
 
-    def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False) -> str:
+    def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False,
+               exclude: Collection[str] = ()) -> str:
         """Send the request to the chosen replica; return that replica's address.
 
-        `more_coming`: more requests are on their way (SessionInput.more_coming)."""
-        ready = [r for r in self._replicas.values() if r.ready]
+        `more_coming`: more requests are on their way (SessionInput.more_coming).
+        `exclude`: addresses not to use (a retry's replicas that already failed it)."""
+        ready = [r for r in self._replicas.values() if r.ready and r.addr not in exclude]
         # Unhealthy replicas are skipped; only when no replica is healthy is one of them tried.
         candidates = [r for r in ready if r.healthy] or ready
         replica = self.router.choose(candidates, request.prompt_token_ids)
@@ -250,6 +252,10 @@ class EngineCoreClient:
         replica.submit(request, num_samples, more_coming)
         self._where[request.request_id] = replica
         return replica.addr
+
+    def can_retry_elsewhere(self, exclude: Collection[str]) -> bool:
+        """Some replica outside `exclude` is connected and healthy."""
+        return any(r.available and r.addr not in exclude for r in self._replicas.values())
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[EngineReplica, list[str]] = {}

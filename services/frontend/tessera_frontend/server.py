@@ -11,7 +11,7 @@ least one engine replica has an open Session; a watcher keeps polling, so the
 services may start in any order.
 
 Shutdown (SIGTERM / SIGINT): health goes NOT_SERVING, both servers stop taking new
-requests and give running ones --shutdown-grace-s to finish, then the backend
+requests and give running ones --drain-timeout-s to finish, then the backend
 streams close. The gRPC server's start and stop are `tessera.common.grpc_server`'s.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ async def serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes)
     admission = AdmissionController(args.max_inflight_requests)
 
-    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
+    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission),
                                                             grpc_server.server)
     try:

@@ -338,7 +338,7 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
 async def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT; returns the process exit code (1: the model did
     not load, or the port cannot be bound)."""
-    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.shutdown_grace_s)
+    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
     servicer = TokenizerServicer(args.max_input_chars, args.max_messages)
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, grpc_server.server)
     try:

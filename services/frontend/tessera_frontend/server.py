@@ -38,13 +38,20 @@ from tessera_frontend.grpc_api import FrontendServicer
 from tessera_frontend.http_server import HttpServer
 from tessera_frontend.openai_api import create_app
 from tessera_frontend.router import DEFAULT_MAX_IMBALANCE, Router
-from tessera_frontend.tokenizer_client import TokenizerClient
+from tessera_frontend.tokenizer_client import DEFAULT_TIMEOUT_S as DEFAULT_TOKENIZER_TIMEOUT_S, TokenizerClient
 from tessera_frontend.validation import Limits
 
 log = logging.getLogger("tessera_frontend")
 
 SERVICE_NAME = frontend_pb2.DESCRIPTOR.services_by_name["FrontendService"].full_name
 READINESS_POLL_S = 0.5
+
+
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:  # (also refuses nan)
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value!r}")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
              help="model name of the HTTP API (default: the tokenizer's model name)")
     add_flag(parser, "--tokenizer-addr", "TESSERA_TOKENIZER_ADDR", "localhost:50052",
              help="tokenizer service address")
+    add_flag(parser, "--tokenizer-timeout-s", "TESSERA_TOKENIZER_TIMEOUT_S", DEFAULT_TOKENIZER_TIMEOUT_S,
+             type=_positive_seconds,
+             help="the longest any wait on the tokenizer may take: a prompt's tokens (else DEADLINE_EXCEEDED), "
+                  "a stream message's answer (else the stream is broken off, its requests fail UNAVAILABLE "
+                  "and health is NOT_SERVING until the tokenizer answers again)")
     add_flag(parser, "--engine-addrs", "TESSERA_ENGINE_ADDRS", "localhost:50053",
              help="comma-separated engine addresses (host:port); a name resolving to several "
                   "addresses (a headless service) is one replica per address")
@@ -108,7 +120,7 @@ async def watch_readiness(llm: AsyncLLM, health: Health) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the process exit code (1: the gRPC port cannot be bound)."""
-    tokenizer = TokenizerClient(args.tokenizer_addr)
+    tokenizer = TokenizerClient(args.tokenizer_addr, args.tokenizer_timeout_s)
     engine = EngineCoreClient(parse_engine_addrs(args.engine_addrs),
                               Router(max_imbalance=args.affinity_max_imbalance),
                               resolve_interval_s=args.engine_resolve_interval)

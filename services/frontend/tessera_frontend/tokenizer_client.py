@@ -17,6 +17,13 @@ Three parts:
   request) and the stream is reopened once the tokenizer is SERVING again. The
   tokenize stream reconnects the same way (its waiting prompts fail with
   `TokenizeStreamError`).
+
+Every wait on the tokenizer has a bound (`--tokenizer-timeout-s`, default 30 s): a
+prompt waits that long for its tokens (DEADLINE_EXCEEDED), and a stream whose oldest
+message has had no answer for that long is broken off as if the tokenizer had closed
+it (a process that hangs or stops answering keeps its TCP connection open): its
+waiting requests fail with UNAVAILABLE, the frontend's health turns NOT_SERVING while
+it is down, and the stream reopens once the tokenizer answers SERVING again.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import time
 from typing import Iterable, Sequence
 
 import grpc
@@ -35,6 +43,7 @@ from tessera_frontend.grpc_util import drain, is_serving, status_code
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
+DEFAULT_TIMEOUT_S = 30.0  # --tokenizer-timeout-s: the longest any wait on the tokenizer may take
 
 
 # One prompt on the shared tokenize stream (the channel carries 64 MiB a message).
@@ -61,12 +70,13 @@ class TokenizeError(Exception):
 class TokenizerClient:
     """The tokenizer service at `addr`: the shared tokenize and detokenize streams, unary calls."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.addr = addr
+        self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
-        self.stream = DetokenizeStream(self.stub, self.wait_serving)
-        self.tokenize_stream = TokenizeStream(self.stub, self.wait_serving)
+        self.stream = DetokenizeStream(self.stub, self.wait_serving, timeout_s)
+        self.tokenize_stream = TokenizeStream(self.stub, self.wait_serving, timeout_s)
         self.model_info: tokenizer_pb2.ModelInfo | None = None
         self._token_text: dict[int, str] = {}
 
@@ -92,9 +102,10 @@ class TokenizerClient:
         return self.model_info
 
     async def tokenize(self, request: tokenizer_pb2.TokenizeRequest, request_id: str,
-                       timeout: float = 30.0) -> tokenizer_pb2.TokenizeResponse:
+                       timeout: float | None = None) -> tokenizer_pb2.TokenizeResponse:
         """Tokenize on the tokenize stream; TokenizeError with the status the unary Tokenize
         would give (INVALID_ARGUMENT naming the field, UNAVAILABLE, DEADLINE_EXCEEDED)."""
+        timeout = self.timeout_s if timeout is None else timeout
         try:
             result = await asyncio.wait_for(self.tokenize_stream.submit(request, request_id), timeout)
         except TokenizeStreamError as exc:
@@ -106,7 +117,8 @@ class TokenizerClient:
         return result.response
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
-                         timeout: float = 10.0) -> str:
+                         timeout: float | None = None) -> str:
+        timeout = self.timeout_s if timeout is None else timeout
         reply = await self.stub.Detokenize(
             tokenizer_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens),
             timeout=timeout)
@@ -134,11 +146,14 @@ class _TokenizerStream:
 
     name = ""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready) -> None:
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready,
+                 reply_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._stub = stub
         self._wait_ready = wait_ready
+        self.reply_timeout_s = reply_timeout_s
         self._outbox: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
+        self._stalled: str | None = None  # why the reply watchdog broke the current stream off
         # Bumped each time a new stream opens: requests opened on an older one are lost.
         self.generation = 0
 
@@ -167,6 +182,22 @@ class _TokenizerStream:
     def _fail_waiting(self, reason: str) -> None:
         raise NotImplementedError
 
+    def _oldest_unanswered(self) -> float | None:
+        """time.monotonic() when the oldest message still waiting for its answer was sent."""
+        raise NotImplementedError
+
+    async def _watch_replies(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Break the stream off once its oldest message has waited past reply_timeout_s."""
+        while True:
+            await asyncio.sleep(min(1.0, self.reply_timeout_s / 4))
+            sent = self._oldest_unanswered()
+            if sent is not None and time.monotonic() - sent > self.reply_timeout_s:
+                self._stalled = f"the tokenizer did not answer within {self.reply_timeout_s:g} s"
+                log.error(f"{self.name} stream: no answer; breaking it off", extra={
+                    "reason": self._stalled, "timeout_s": self.reply_timeout_s})
+                call.cancel()
+                return
+
     async def _run(self) -> None:
         """Keep one stream open: (re)connect whenever the tokenizer is SERVING."""
         while True:
@@ -183,19 +214,28 @@ class _TokenizerStream:
         self.generation += 1
         log.info(f"{self.name} stream open", extra={"generation": self.generation})
         reason = f"the tokenizer closed the {self.name} stream"
+        self._stalled = None
+        watchdog = asyncio.create_task(self._watch_replies(call), name=f"{self.name}-replies")
         try:
             async for response in call:
                 self._on_response(response)
+        except asyncio.CancelledError:
+            if self._stalled is None or asyncio.current_task().cancelling():
+                raise  # the client is closing
+            reason = self._stalled  # the watchdog cancelled the call
         except grpc.aio.AioRpcError as exc:
             reason = f"{self.name} stream failed: {exc.code().name}: {exc.details()}"
         except Exception as exc:  # a bug must not end the reconnect loop
             log.exception(f"{self.name} stream reader failed")
             reason = f"internal error: {exc!r}"
         finally:
+            watchdog.cancel()
             self._outbox = None
             outbox.put_nowait(None)
             call.cancel()
             self._fail_waiting(reason)
+        if self._stalled is not None:
+            reason = self._stalled
         return reason
 
 
@@ -204,16 +244,17 @@ class DetokenizeStream(_TokenizerStream):
 
     name = "detokenize"
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready) -> None:
-        super().__init__(stub, wait_ready)
-        self._pending: collections.deque[asyncio.Future] = collections.deque()
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready,
+                 reply_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(stub, wait_ready, reply_timeout_s)
+        self._pending: collections.deque[tuple[asyncio.Future, float]] = collections.deque()
 
     def send(self, items: Sequence[tokenizer_pb2.DetokenizeItem]) -> asyncio.Future:
         """Queue one message; the future resolves to its DetokenizeResults (same order as items)."""
         if self._outbox is None:
             raise DetokenizeStreamError("the detokenize stream to the tokenizer is down (tokenizer unavailable)")
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(future)
+        self._pending.append((future, time.monotonic()))
         self._outbox.put_nowait(tokenizer_pb2.DetokenizeStreamRequest(items=items))
         return future
 
@@ -235,16 +276,19 @@ class DetokenizeStream(_TokenizerStream):
         if not self._pending:
             log.error("detokenize stream: reply without a request; ignored")
             return
-        future = self._pending.popleft()
+        future, _ = self._pending.popleft()
         if not future.done():
             future.set_result(list(response.results))
 
     def _fail_waiting(self, reason: str) -> None:
         error = DetokenizeStreamError(reason)
         while self._pending:
-            future = self._pending.popleft()
+            future, _ = self._pending.popleft()
             if not future.done():
                 future.set_exception(error)
+
+    def _oldest_unanswered(self) -> float | None:
+        return self._pending[0][1] if self._pending else None
 
 
 class TokenizeStream(_TokenizerStream):
@@ -253,9 +297,11 @@ class TokenizeStream(_TokenizerStream):
 
     name = "tokenize"
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready) -> None:
-        super().__init__(stub, wait_ready)
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready,
+                 reply_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        super().__init__(stub, wait_ready, reply_timeout_s)
         self._waiting: dict[int, asyncio.Future] = {}
+        self._sent_at: dict[int, float] = {}  # in send order: the first is the oldest
         self._ids = itertools.count(1)
 
     def submit(self, request: tokenizer_pb2.TokenizeRequest, request_id: str) -> asyncio.Future:
@@ -271,7 +317,13 @@ class TokenizeStream(_TokenizerStream):
         item_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._waiting[item_id] = future
-        future.add_done_callback(lambda f: self._waiting.pop(item_id, None))  # also when the caller gives up
+        self._sent_at[item_id] = time.monotonic()
+
+        def forget(_: asyncio.Future) -> None:  # answered, failed, or the caller gave up
+            self._waiting.pop(item_id, None)
+            self._sent_at.pop(item_id, None)
+
+        future.add_done_callback(forget)
         self._outbox.put_nowait(tokenizer_pb2.TokenizeStreamRequest(
             items=[tokenizer_pb2.TokenizeItem(id=item_id, request_id=request_id, request=request)]))
         return future
@@ -287,7 +339,10 @@ class TokenizeStream(_TokenizerStream):
 
     def _fail_waiting(self, reason: str) -> None:
         error = TokenizeStreamError(reason)
-        waiting, self._waiting = self._waiting, {}
+        waiting, self._waiting, self._sent_at = self._waiting, {}, {}
         for future in waiting.values():
             if not future.done():
                 future.set_exception(error)
+
+    def _oldest_unanswered(self) -> float | None:
+        return next(iter(self._sent_at.values()), None)

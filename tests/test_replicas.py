@@ -9,6 +9,7 @@ a request is read from its "request submitted" log lines (field `engine`).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 import uuid
@@ -36,7 +37,7 @@ def replicas(stack):
     engine_b = Service("engine-b", "tessera_engine", stack.engine.port, list(stack.engine.args),
                        stack.log_dir / "engine-b.log", host=B_HOST)
     frontend = frontend_service("frontend-replicas", stack.tokenizer.addr,
-                                f"{stack.engine.addr},{engine_b.addr}", stack.log_dir)
+                                f"{stack.engine.addr},{engine_b.addr}", stack.log_dir, "--engine-timeout-s", "3")
     engine_b.start()
     frontend.start()
     try:
@@ -205,6 +206,44 @@ def test_sigterm_drains_a_replica_without_failing_a_request(replicas):
 
     engine_b.start()
     engine_b.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
+    _wait_both_used(stub, frontend, engine_a.addr, engine_b.addr, seconds=60)
+
+
+def test_a_replica_that_stops_answering_is_broken_off(replicas):
+    """SIGSTOP on engine B (hung: its connection stays open) with a request running there: with
+    --engine-timeout-s 3 that request fails UNAVAILABLE within seconds instead of hanging, the
+    frontend stays SERVING (A answers) and sends new requests to A; after SIGCONT, B is used again."""
+    engine_a, engine_b, frontend, stub = replicas
+    calls = {}
+    for i, t in enumerate(TOPICS[:4]):
+        calls[f"stall-{i}"] = stub.Generate(_long_request(f"Write a long story about {t}.", f"stall-{i}", 400),
+                                            timeout=180)
+    for call in calls.values():
+        next(call)
+    on_b = [rid for rid, addr in _served_by(frontend, "stall-").items() if addr == engine_b.addr]
+    assert on_b, "no request ran on the replica to be stopped"
+
+    os.kill(engine_b.process.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            for _ in calls[on_b[0]]:
+                pass
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        assert "stopped answering" in failed.value.details()
+        assert time.monotonic() - stopped < 20
+        results = _run_concurrently(stub, [f"Name a color of {t}." for t in TOPICS[4:8]], "stall-after-")
+        assert all(r.usage.completion_tokens == 6 for r in results)
+        assert set(_served_by(frontend, "stall-after-").values()) == {engine_a.addr}
+        with grpc.insecure_channel(frontend.addr) as channel:
+            assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        os.kill(engine_b.process.pid, signal.SIGCONT)
+    for rid, call in calls.items():
+        if rid not in on_b:  # A's requests run to their end
+            assert sum(len(r.token_ids) for r in call) == 400 - 1
+        else:
+            call.cancel()
     _wait_both_used(stub, frontend, engine_a.addr, engine_b.addr, seconds=60)
 
 

@@ -8,7 +8,11 @@ which sends the step's new tokens to the tokenizer and fans the text out to the
 per-request queues.
 While the session is open the replica's health is checked every
 HEALTH_CHECK_INTERVAL_S; a replica that does not answer SERVING gets no new
-requests until it does again (its running requests go on).
+requests until it does again (its running requests go on). One that stops answering
+altogether (no health answer and no step for `stall_timeout_s`, `--engine-timeout-s`,
+while it has requests: a hung or partitioned process keeps its connection open) has its
+session broken off, so that its requests fail (or are retried, if they have no token
+yet) instead of waiting for ever.
 
 If a Session stream breaks, the requests in flight on it are reported to the lost
 handler (they fail with UNAVAILABLE rather than hang: the engine aborted them when
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Awaitable, Callable, Collection, Iterable, Sequence
 
 import grpc
@@ -32,7 +37,9 @@ from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tessera_frontend.discovery import (EngineEntry, Resolver, parse_engine_addrs, resolve_entries,
                                         system_resolve)
-from tessera_frontend.grpc_util import drain, is_serving
+from grpc_health.v1 import health_pb2
+
+from tessera_frontend.grpc_util import drain, health_status, is_serving
 from tessera_frontend.router import Router
 
 log = logging.getLogger(__name__)
@@ -43,6 +50,7 @@ LostHandler = Callable[[list[str], str], None]
 HEALTH_POLL_S = 0.5            # while disconnected: how often to ask whether the engine is back
 HEALTH_CHECK_INTERVAL_S = 1.0  # while connected: how often to check the engine's health
 HEALTH_CHECK_TIMEOUT_S = 3.0
+DEFAULT_STALL_TIMEOUT_S = 30.0  # --engine-timeout-s
 RECONNECT_DELAY_S = 0.5
 DEFAULT_RESOLVE_INTERVAL_S = 5.0
 RESOLVE_RETRY_S = 1.0          # re-resolve this often while no replica is known
@@ -67,9 +75,12 @@ def _merge_inputs(first: engine_pb2.SessionInput, later: engine_pb2.SessionInput
 class EngineReplica:
     """One engine replica: its channel, its Session stream, its health and the requests in flight on it."""
 
-    def __init__(self, addr: str, entry: str = "") -> None:
+    def __init__(self, addr: str, entry: str = "", stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.addr = addr
         self.entry = entry or addr  # the configured name it was resolved from
+        self.stall_timeout_s = stall_timeout_s
+        self.last_heard = 0.0  # time.monotonic() of its last step or health answer
+        self._stalled: str | None = None  # why the health watcher broke the session off
         self.channel = grpc.aio.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.info: engine_pb2.EngineInfo | None = None
@@ -162,14 +173,21 @@ class EngineReplica:
         self.healthy = True
         self.sessions_opened += 1
         on_session_open(self)
-        health = asyncio.create_task(self._watch_health(), name=f"engine-health-{self.addr}")
+        self._stalled = None
+        self.last_heard = time.monotonic()
+        health = asyncio.create_task(self._watch_health(call), name=f"engine-health-{self.addr}")
         log.info("engine session open", extra={"engine": self.addr, "engine_entry": self.entry,
                                                 "max_model_len": self.info.max_model_len})
         try:
             async for step in call:
+                self.last_heard = time.monotonic()
                 on_done(self._note_finished(step))
                 await on_step(step)
             return "the engine closed the session"
+        except asyncio.CancelledError:
+            if self._stalled is None or asyncio.current_task().cancelling():
+                raise  # the client is closing
+            return self._stalled  # the health watcher cancelled the call
         finally:
             health.cancel()
             self._outbox = None
@@ -177,11 +195,23 @@ class EngineReplica:
             outbox.put_nowait(None)
             call.cancel()
 
-    async def _watch_health(self) -> None:
-        """Keep `healthy` in step with the engine's grpc.health.v1 answer while the session is open."""
+    async def _watch_health(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Keep `healthy` in step with the engine's grpc.health.v1 answer while the session is
+        open; break the session off once the engine has stopped answering (see the module doc)."""
         while True:
             await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
-            serving = await is_serving(self.channel, timeout=HEALTH_CHECK_TIMEOUT_S)
+            status = await health_status(self.channel, timeout=HEALTH_CHECK_TIMEOUT_S)
+            now = time.monotonic()
+            if status is not None:
+                self.last_heard = now
+            elif self._in_flight and now - self.last_heard > self.stall_timeout_s:
+                self._stalled = f"engine {self.addr} stopped answering (nothing for {self.stall_timeout_s:g} s)"
+                log.error("engine stopped answering; breaking its session off",
+                          extra={"engine": self.addr, "in_flight": len(self._in_flight),
+                                 "timeout_s": self.stall_timeout_s})
+                call.cancel()
+                return
+            serving = status == health_pb2.HealthCheckResponse.SERVING
             if serving != self.healthy:
                 log.warning("engine health changed", extra={"engine": self.addr, "serving": serving})
                 self.healthy = serving
@@ -195,13 +225,15 @@ class EngineCoreClient:
 
     def __init__(self, addrs: str | Sequence[str | EngineEntry], router: Router | None = None,
                  resolver: Resolver = system_resolve,
-                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S) -> None:
+                 resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         if isinstance(addrs, str) or any(not isinstance(a, EngineEntry) for a in addrs):
             addrs = parse_engine_addrs(addrs if isinstance(addrs, str) else [str(a) for a in addrs])
         self.entries: list[EngineEntry] = list(addrs)
         self.router = router or Router()
         self._resolver = resolver
         self._resolve_interval_s = resolve_interval_s
+        self._stall_timeout_s = stall_timeout_s
         self._resolved: dict[EngineEntry, list[str]] = {}
         self._replicas: dict[str, EngineReplica] = {}
         self._tasks: dict[str, asyncio.Task] = {}
@@ -220,7 +252,8 @@ class EngineCoreClient:
 
     @property
     def ready(self) -> bool:
-        return any(r.ready for r in self._replicas.values())
+        """Some replica is connected and answers SERVING (the frontend's own health follows this)."""
+        return any(r.available for r in self._replicas.values())
 
     def _limit(self, value: Callable[[engine_pb2.EngineInfo], int]) -> int | None:
         values = [value(r.info) for r in self._replicas.values() if r.info and not r.retired]
@@ -311,7 +344,7 @@ class EngineCoreClient:
             if replica.sessions_opened > 1:  # a reconnect: the engine may have restarted cold
                 self.router.forget(replica.addr)
 
-        replica = EngineReplica(addr, entry)
+        replica = EngineReplica(addr, entry, self._stall_timeout_s)
         self._replicas[addr] = replica
         self._tasks[addr] = asyncio.create_task(replica.run(on_step, lost, self._forget, session_open),
                                                 name=f"engine-{addr}")

@@ -15,14 +15,20 @@ def status_code(name: str, default: grpc.StatusCode) -> grpc.StatusCode:
     return code if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK else default
 
 
-async def is_serving(channel: grpc.aio.Channel, timeout: float = 2.0) -> bool:
-    """True when the service behind `channel` answers SERVING (overall service ""); False otherwise."""
+async def health_status(channel: grpc.aio.Channel, timeout: float = 2.0) -> int | None:
+    """The grpc.health.v1 status of the service behind `channel` (overall service ""); None
+    when it does not answer."""
     stub = health_pb2_grpc.HealthStub(channel)
     try:
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
     except grpc.aio.AioRpcError:
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return None
+    return reply.status
+
+
+async def is_serving(channel: grpc.aio.Channel, timeout: float = 2.0) -> bool:
+    """True when the service behind `channel` answers SERVING; False otherwise."""
+    return await health_status(channel, timeout) == health_pb2.HealthCheckResponse.SERVING
 
 
 # Merged messages stay under this size, far below the channels' 64 MiB limit: a burst of

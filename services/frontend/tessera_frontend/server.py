@@ -33,7 +33,7 @@ from tessera.v1 import frontend_pb2, frontend_pb2_grpc
 from tessera_frontend.admission import AdmissionController
 from tessera_frontend.async_llm import AsyncLLM
 from tessera_frontend.discovery import parse_engine_addrs
-from tessera_frontend.engine_client import DEFAULT_RESOLVE_INTERVAL_S, EngineCoreClient
+from tessera_frontend.engine_client import DEFAULT_RESOLVE_INTERVAL_S, DEFAULT_STALL_TIMEOUT_S, EngineCoreClient
 from tessera_frontend.grpc_api import FrontendServicer
 from tessera_frontend.http_server import HttpServer
 from tessera_frontend.openai_api import create_app
@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--engine-addrs", "TESSERA_ENGINE_ADDRS", "localhost:50053",
              help="comma-separated engine addresses (host:port); a name resolving to several "
                   "addresses (a headless service) is one replica per address")
+    add_flag(parser, "--engine-timeout-s", "TESSERA_ENGINE_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S,
+             type=_positive_seconds,
+             help="an engine replica with requests in flight that answers neither a step nor a health check "
+                  "for this long has its session broken off: its requests fail UNAVAILABLE (or are retried "
+                  "elsewhere when they have no token yet)")
     add_flag(parser, "--engine-resolve-interval", "TESSERA_ENGINE_RESOLVE_INTERVAL", DEFAULT_RESOLVE_INTERVAL_S,
              type=float, help="seconds between DNS resolutions of --engine-addrs")
     add_flag(parser, "--affinity-max-imbalance", "TESSERA_AFFINITY_MAX_IMBALANCE", DEFAULT_MAX_IMBALANCE,
@@ -123,7 +128,8 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = TokenizerClient(args.tokenizer_addr, args.tokenizer_timeout_s)
     engine = EngineCoreClient(parse_engine_addrs(args.engine_addrs),
                               Router(max_imbalance=args.affinity_max_imbalance),
-                              resolve_interval_s=args.engine_resolve_interval)
+                              resolve_interval_s=args.engine_resolve_interval,
+                              stall_timeout_s=args.engine_timeout_s)
     llm = AsyncLLM(tokenizer, engine, stream_interval=args.stream_interval)
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop,
                     max_body_bytes=args.max_body_bytes)

@@ -246,6 +246,8 @@ def k8s_containers(docs: list[dict]) -> list[Container]:
             for item in c.get("env") or []:
                 if "value" in item:
                     env[item["name"]] = str(item["value"])
+                elif "secretKeyRef" in item["valueFrom"]:  # the user's Secret: the stack runs without it
+                    assert item["valueFrom"]["secretKeyRef"].get("optional") is True, item
                 else:
                     ref = item["valueFrom"]["configMapKeyRef"]
                     assert ref["key"] in configmaps[ref["name"]], f"{ref} missing from its ConfigMap"

@@ -35,9 +35,10 @@ def add_flag(
     help: str = "",
     choices: list[Any] | None = None,
     aliases: tuple[str, ...] = (),
+    secret: bool = False,
 ) -> None:
     """Add `flag` (also spelled as each of `aliases`) whose default comes from environment
-    variable `env` when set."""
+    variable `env` when set; a `secret` one's value is never shown in --help."""
     if type is bool:
         type = _parse_bool
     raw = os.environ.get(env)
@@ -52,7 +53,7 @@ def add_flag(
         default=default,
         type=type,
         choices=choices,
-        help=f"{help} [env {env}; default {default!r}]",
+        help=f"{help} [env {env}; " + ("a secret: never shown]" if secret else f"default {default!r}]"),
     )
 
 

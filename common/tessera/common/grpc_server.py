@@ -60,11 +60,13 @@ class GrpcServer:
     """One service's grpc.aio server with health and reflection; see the module docstring."""
 
     def __init__(self, service_names: Iterable[str], log: logging.Logger, *,
-                 grace_s: float = DEFAULT_DRAIN_TIMEOUT_S, options: list | None = None) -> None:
+                 grace_s: float = DEFAULT_DRAIN_TIMEOUT_S, options: list | None = None,
+                 interceptors: list | None = None) -> None:
         names = list(service_names)
         self.log = log
         self.grace_s = grace_s
-        self.server = grpc.aio.server(options=SERVER_OPTIONS if options is None else options)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS if options is None else options,
+                                      interceptors=interceptors or None)
         self.health = Health(self.server, names)
         add_reflection(self.server, names)
         self.stop_requested = asyncio.Event()  # set by SIGTERM / SIGINT (or `request_stop`)

@@ -32,6 +32,7 @@ from tessera.common.metrics import add_metrics_flag
 from tessera.v1 import frontend_pb2, frontend_pb2_grpc
 from tessera_frontend.admission import AdmissionController
 from tessera_frontend.async_llm import AsyncLLM
+from tessera_frontend.auth import ApiKeyInterceptor, ApiKeyMiddleware, ApiKeys, parse_api_keys
 from tessera_frontend.discovery import parse_engine_addrs
 from tessera_frontend.engine_client import DEFAULT_RESOLVE_INTERVAL_S, DEFAULT_STALL_TIMEOUT_S, EngineCoreClient
 from tessera_frontend.grpc_api import FrontendServicer
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="port of the OpenAI-compatible HTTP API (0: no HTTP API)")
     add_flag(parser, "--served-model-name", "TESSERA_SERVED_MODEL_NAME", None,
              help="model name of the HTTP API (default: the tokenizer's model name)")
+    add_flag(parser, "--api-key", "TESSERA_API_KEY", None,
+             help="API key(s), comma-separated: HTTP needs 'Authorization: Bearer <key>' (401 otherwise; /health "
+                  "exempt), gRPC the same 'authorization' metadata (UNAUTHENTICATED otherwise; health exempt). "
+                  "Empty: no authentication", secret=True)
     add_flag(parser, "--tokenizer-addr", "TESSERA_TOKENIZER_ADDR", "localhost:50052",
              help="tokenizer service address")
     add_flag(parser, "--tokenizer-timeout-s", "TESSERA_TOKENIZER_TIMEOUT_S", DEFAULT_TOKENIZER_TIMEOUT_S,
@@ -135,21 +140,25 @@ async def serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes)
     admission = AdmissionController(args.max_inflight_requests)
 
-    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
+    keys = ApiKeys(parse_api_keys(args.api_key))
+    grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s,
+                             interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else None)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission),
                                                             grpc_server.server)
     try:
         await grpc_server.start(args.host, args.port, args.metrics_port, http_port=args.http_port or None,
                                 tokenizer=args.tokenizer_addr, engines=[str(e) for e in engine.entries],
-                                max_inflight_requests=args.max_inflight_requests)
+                                max_inflight_requests=args.max_inflight_requests, api_keys=len(parse_api_keys(args.api_key)))
     except BindError as exc:
         log.error("%s", exc)
         await llm.close()
         return 1
     http = None
     if args.http_port:
-        http = HttpServer(create_app(llm, limits, admission, args.served_model_name), args.host, args.http_port,
-                          grace_s=grpc_server.grace_s)
+        app = create_app(llm, limits, admission, args.served_model_name)
+        if keys.enabled:
+            app.add_middleware(ApiKeyMiddleware, keys=keys)  # outermost: before the body is read
+        http = HttpServer(app, args.host, args.http_port, grace_s=grpc_server.grace_s)
         await http.start()
     llm.start()
     readiness = asyncio.create_task(watch_readiness(llm, grpc_server.health), name="readiness")

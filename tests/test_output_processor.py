@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
-from tessera_frontend.output_processor import (MAX_PENDING_STEPS, Failure, OutputProcessor, OutputProcessorOutput,
-                                               RequestState, SampleOutput)
+from tessera_frontend.output_processor import (MAX_PENDING_STEPS, Failure, OutputCollector, OutputProcessor,
+                                               OutputProcessorOutput, RequestState, SampleOutput)
 from tessera_frontend.tokenizer_client import DetokenizeStreamError, TokenizeError
 
 RUNNING = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -508,3 +508,42 @@ async def test_a_bug_in_delivery_fails_that_steps_requests_only():
 def test_sample_output_finished(finish):
     assert SampleOutput(index=0, finish_reason=finish).finished
     assert not SampleOutput(index=0).finished
+
+
+# -- a slow consumer ---------------------------------------------------------------------------
+
+
+def test_a_consumer_that_keeps_up_gets_every_output_and_one_that_falls_behind_gets_them_merged():
+    collector = OutputCollector()
+    collector.put_nowait(SampleOutput(index=0, text="a", token_ids=[1]))
+    assert collector.get_nowait().text == "a" and collector.empty()
+
+    # 2 samples, 500 steps unread: the queue stays bounded, nothing is lost or reordered
+    texts = {0: [], 1: []}
+    for step in range(500):
+        for index in (0, 1):
+            text = f"<{index}:{step}>"
+            texts[index].append(text)
+            collector.put_nowait(SampleOutput(index=index, text=text, token_ids=[step],
+                                              finish_reason=LENGTH if step == 499 else RUNNING))
+        assert collector.qsize() <= OutputCollector.MAX_WAITING + 2
+    collector.put_nowait(SampleOutput(index=0, finish_reason=ERROR, failure=Failure(grpc.StatusCode.UNAVAILABLE, "x")))
+    outs = []
+    while not collector.empty():
+        outs.append(collector.get_nowait())
+    assert outs[-1].failure is not None
+    for index in (0, 1):
+        mine = [o for o in outs[:-1] if o.index == index]
+        assert "".join(o.text for o in mine) == "".join(texts[index])
+        assert [t for o in mine for t in o.token_ids] == list(range(500))
+        assert [o.finished for o in mine] == [False] * (len(mine) - 1) + [True]
+
+
+@run_async
+async def test_collector_get_waits_for_an_output():
+    collector = OutputCollector()
+    waiter = asyncio.ensure_future(collector.get())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    collector.put_nowait(SampleOutput(index=0, text="late"))
+    assert (await asyncio.wait_for(waiter, 1)).text == "late"

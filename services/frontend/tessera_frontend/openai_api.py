@@ -250,7 +250,9 @@ async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt
                 tracker.on_output(out.index, len(out.token_ids), out.usage)
                 yield IndexedOutput(out.index, out)
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client that reads slowly holds the pumps back, and each prompt's outputs
+    # then merge in its request's OutputCollector instead of piling up here.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(prompts))
     done = object()
 
     async def pump(i: int, prompt: Prompt) -> None:
@@ -258,10 +260,10 @@ async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt
             async with contextlib.aclosing(llm.generate(f"{request_id}-{i}", prompt, params, priority,
                                                         default_max_tokens)) as outputs:
                 async for out in outputs:
-                    queue.put_nowait(IndexedOutput(i * n + out.index, out))
-            queue.put_nowait(done)
+                    await queue.put(IndexedOutput(i * n + out.index, out))
+            await queue.put(done)
         except Exception as exc:  # GenerateError and anything else ends the whole request
-            queue.put_nowait(exc)
+            await queue.put(exc)
 
     tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
     try:

@@ -78,6 +78,58 @@ class SampleOutput:
     def finished(self) -> bool:
         return self.finish_reason != RUNNING
 
+    def merged_with(self, later: "SampleOutput") -> "SampleOutput":
+        """This output followed by `later` of the same sample, as one (the later one's status)."""
+        return dataclasses.replace(
+            later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens))
+
+
+class OutputCollector:
+    """A request's outputs waiting for its consumer. Once MAX_WAITING outputs wait (a client
+    that reads slowly), a new output of a sample is merged into the last output of that
+    sample still waiting, so the queue never grows past MAX_WAITING + one per sample,
+    however far behind the client falls: memory is bounded by the request's own tokens, and
+    the engine and the other requests never wait for it (vLLM's RequestOutputCollector
+    merges the same way). A consumer that keeps up still gets one output per step."""
+
+    MAX_WAITING = 16
+
+    def __init__(self) -> None:
+        self._items: list[SampleOutput] = []
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, out: SampleOutput) -> None:
+        if out.failure is None and len(self._items) >= self.MAX_WAITING:
+            for i in range(len(self._items) - 1, -1, -1):
+                waiting = self._items[i]
+                if waiting.index == out.index:
+                    if waiting.failure is None and not waiting.finished:
+                        self._items[i] = waiting.merged_with(out)
+                        return
+                    break
+        self._items.append(out)
+        self._ready.set()
+
+    async def get(self) -> SampleOutput:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.pop(0)
+
+    def get_nowait(self) -> SampleOutput:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.pop(0)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
 
 @dataclasses.dataclass
 class OutputProcessorOutput:
@@ -106,7 +158,7 @@ class RequestState:
     def __init__(self, request_id: str, n: int, detokenize_open: tokenizer_pb2.DetokenizeOpen,
                  want_token_texts: bool) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[SampleOutput] = asyncio.Queue()
+        self.queue = OutputCollector()
         self.open = detokenize_open
         self.want_token_texts = want_token_texts
         self.samples = [_Sample(f"{request_id}#{i}") for i in range(n)]

@@ -58,6 +58,7 @@ class FakeDetokenizeStream:
 
     def __init__(self) -> None:
         self.generation = 1
+        self.on_open: list = []
         self.sent: list[list[tokenizer_pb2.DetokenizeItem]] = []  # every message, in order
         self.cancelled: list[str] = []
         self.down = False            # send() raises DetokenizeStreamError
@@ -65,6 +66,18 @@ class FakeDetokenizeStream:
         self.extra_result = False    # answer one result too many (a broken tokenizer)
         self._open: dict[str, _Detok] = {}
         self._unanswered: list[tuple[asyncio.Future, list]] = []
+
+    @property
+    def connected(self) -> bool:
+        return not self.down
+
+    def reconnect(self) -> None:
+        """A new stream to a restarted tokenizer: it knows no request."""
+        self.down = False
+        self.generation += 1
+        self._open.clear()
+        for listener in self.on_open:
+            listener()
 
     def send(self, items) -> asyncio.Future:
         if self.down:
@@ -97,7 +110,8 @@ class FakeDetokenizeStream:
 
     def _detokenize(self, item: tokenizer_pb2.DetokenizeItem) -> tokenizer_pb2.DetokenizeResult:
         if item.HasField("open"):
-            self._open[item.request_id] = _Detok(item.open)
+            resumed = "".join(WORDS[t] for t in item.open.resumed_token_ids)
+            self._open[item.request_id] = _Detok(item.open, resumed, item.open.resumed_text_chars)
         state = self._open.get(item.request_id)
         if state is None:
             return tokenizer_pb2.DetokenizeResult(
@@ -134,6 +148,7 @@ class FakeTokenizerClient:
             model_name="fake-model", vocab_size=len(WORDS), eos_token_ids=[EOS], max_model_len=max_model_len,
             has_chat_template=True)
         self.connected = True
+        self.timeout_s = 30.0  # how long the processor keeps outputs the tokenizer could not take
         self.tokenized: list[tokenizer_pb2.TokenizeRequest] = []
         self.token_text_calls = 0
 
@@ -405,26 +420,54 @@ async def test_fail_reports_lost_requests_without_aborts():
 
 
 @run_async
-async def test_tokenizer_down_fails_the_step_and_returns_aborts():
-    processor, tokenizer = new_processor()
-    state = add(processor, "r1")
-    tokenizer.stream.down = True
-    result = processor.process_step(engine_pb2.EngineStepOutputs(outputs=[output("r1", ids("Hello"))]))
-    assert result.reqs_to_abort == ["r1"]
-    failure = taken(state)[-1].failure
-    assert failure.code == grpc.StatusCode.UNAVAILABLE and "down" in failure.message
-
-
-@run_async
-async def test_tokenizer_restart_fails_requests_opened_before_it():
+async def test_outputs_wait_while_the_tokenizer_is_down_and_go_out_when_it_is_back():
     processor, tokenizer = new_processor()
     state = add(processor, "r1")
     await feed(processor, output("r1", ids("Hello")))
-    tokenizer.stream.generation += 1  # the stream reconnected: the tokenizer forgot r1#0
-    result = processor.process_step(engine_pb2.EngineStepOutputs(outputs=[output("r1", ids(" the"))]))
+    tokenizer.stream.down = True
+    assert processor.process_step(engine_pb2.EngineStepOutputs(outputs=[output("r1", ids(","))])) == NOTHING
+    assert processor.process_step(engine_pb2.EngineStepOutputs(outputs=[output("r1", ids(" the"))])) == NOTHING
+    assert [o.text for o in taken(state)] == ["Hello"]  # the rest waits
+    tokenizer.stream.reconnect()
+    assert await asyncio.wait_for(processor.deliver_next(), 1) == NOTHING  # the resume goes out
+    assert await asyncio.wait_for(processor.deliver_next(), 1) == NOTHING  # and its reply comes back
+    (resumed,) = tokenizer.stream.sent[-1]
+    assert list(resumed.open.resumed_token_ids) == ids("Hello") and resumed.open.resumed_text_chars == 5
+    assert list(resumed.new_token_ids) == ids(",", " the")
+    outs = taken(state)
+    assert [(o.text, o.token_ids) for o in outs] == [(", the", ids(",", " the"))]
+    assert await feed(processor, output("r1", ids(" world"), finish=LENGTH)) == NOTHING
+    assert [o.text for o in taken(state)] == [" world"]
+
+
+@run_async
+async def test_a_tokenizer_restart_resumes_requests_opened_before_it():
+    processor, tokenizer = new_processor()
+    state = add(processor, "r1", stop=["the end"])
+    await feed(processor, output("r1", ids("Hello", " the")))
+    assert "".join(o.text for o in taken(state)) == "Hello the"
+    tokenizer.stream.reconnect()  # between two steps: nothing was in flight
+    await asyncio.wait_for(processor.deliver_next(), 1)  # (nothing stranded yet)
+    assert await feed(processor, output("r1", ids(" world"), finish=LENGTH)) == NOTHING
+    (resumed,) = tokenizer.stream.sent[-1]
+    assert list(resumed.open.resumed_token_ids) == ids("Hello", " the")
+    assert list(resumed.open.stop) == ["the end"]
+    assert list(resumed.open.prompt_token_ids) == [1, 2, 3] and resumed.open.resumed_text_chars == 9
+    assert [o.text for o in taken(state)] == [" world"]  # no repeated text
+    assert tokenizer.stream.cancelled == []
+
+
+@run_async
+async def test_a_tokenizer_down_past_the_timeout_fails_the_request():
+    processor, tokenizer = new_processor()
+    tokenizer.timeout_s = processor._timeout_s = 0.1
+    state = add(processor, "r1")
+    tokenizer.stream.down = True
+    assert processor.process_step(engine_pb2.EngineStepOutputs(outputs=[output("r1", ids("Hello"))])) == NOTHING
+    result = await asyncio.wait_for(processor.deliver_next(), 1)  # the expiry check, after 0.1 s
     assert result.reqs_to_abort == ["r1"]
-    assert "restarted" in taken(state)[-1].failure.message
-    assert tokenizer.stream.cancelled == []  # nothing to cancel on the new stream
+    failure = taken(state)[-1].failure
+    assert failure.code == grpc.StatusCode.UNAVAILABLE and "more than 0.1 s" in failure.message
 
 
 @run_async

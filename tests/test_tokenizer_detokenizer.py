@@ -484,3 +484,37 @@ def test_matcher_equals_the_reference_on_repetitive_text(stops, pieces, include)
     else:
         got.append((m.flush(), "<flush>"))
     assert got == reference_matcher_run(stops, include, pieces)
+
+
+# --- resuming on another stream ------------------------------------------------------------
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), include=st.booleans(), min_tokens=st.integers(0, 3))
+def test_a_resumed_request_continues_its_text_exactly(tok, data, include, min_tokens):
+    """Cut a run anywhere: a new detokenizer resumed with the tokens before the cut and the
+    characters the client got from them emits exactly what the first one went on to emit."""
+    text = data.draw(TEXT.filter(lambda t: len(t) >= 2), label="text")
+    ids = tok.encode(text).ids
+    prompt = tok.encode("Once upon a time").ids
+    stops = data.draw(st.lists(st.text(min_size=1, max_size=3), max_size=2), label="stops")
+    options = dict(stop=stops, include_stop_str_in_output=include, prompt_token_ids=prompt, min_tokens=min_tokens)
+    whole = feed(IncrementalDetokenizer(tok.backend, **options), ids)
+    ended_at = sum(o.tokens_consumed for o in whole)  # a stop string may end it early
+    cut = data.draw(st.integers(0, max(0, min(ended_at, len(ids)) - 1)), label="cut")
+    first = IncrementalDetokenizer(tok.backend, **options)
+    before = feed(first, ids[:cut], finish=False)
+    assert not any(o.finished for o in before)
+    got = "".join(o.text for o in before)
+
+    resumed = IncrementalDetokenizer(tok.backend, **options)
+    resumed.resume(ids[:cut], len(got))
+    after = feed(resumed, ids[cut:])
+    assert got + "".join(o.text for o in after) == "".join(o.text for o in whole)
+    assert after[-1].stop_matched == whole[-1].stop_matched
+
+
+def test_resuming_past_a_stop_string_is_refused(tok):
+    ids = tok.encode("one two three").ids
+    detok = IncrementalDetokenizer(tok.backend, stop=["two"])
+    with pytest.raises(ValueError, match="stop string"):
+        detok.resume(ids, 4)

@@ -16,6 +16,15 @@ The processor never calls into the engine. Each of its entry points returns an
 `OutputProcessorOutput` naming what the caller must abort there (as vLLM's
 `process_outputs` returns `reqs_to_abort`), and AsyncLLM does the aborting.
 
+A tokenizer that restarts (or a stream that breaks) loses no request: each sample keeps
+the token ids whose text its consumer has and how many characters that text is. Outputs
+that could not be detokenized (the stream was down, or broke before their reply) wait on
+their sample ("stranded"); once a stream is open again each such sample is reopened on it
+with DetokenizeOpen.resumed_token_ids / resumed_text_chars, so the tokenizer rebuilds its
+state and the text continues with no repeated or missing character, and the waiting
+tokens go out with it. A sample stranded longer than the tokenizer timeout fails with
+UNAVAILABLE.
+
 Each of a request's n samples is detokenized separately, under the key
 "<engine request id>#<index>". When the tokenizer reports a matched stop string, the
 sample finishes with STOP and that stop string; its tokens are cut to
@@ -29,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Iterable, Optional
 
 import grpc
@@ -150,6 +160,12 @@ class _Sample:
     tokenizer_done: bool = False  # the tokenizer has forgotten it (finished, stopped or cancelled)
     engine_done: bool = False     # the engine has sent its final output
     done: bool = False            # its final SampleOutput has been delivered
+    # what a resume on a new stream needs: the ids whose text the consumer has, and its length
+    acked_ids: list[int] = dataclasses.field(default_factory=list)
+    emitted_chars: int = 0
+    # (step sequence number, output) not detokenized yet because the stream was down
+    stranded: list[tuple[int, engine_pb2.RequestOutput]] = dataclasses.field(default_factory=list)
+    stranded_since: float = 0.0
 
 
 class RequestState:
@@ -179,9 +195,16 @@ class OutputProcessor:
     def __init__(self, tokenizer: TokenizerClient) -> None:
         self._tokenizer = tokenizer
         self._requests: dict[str, RequestState] = {}
-        # Steps sent to the tokenizer, in the order sent, waiting for their reply to be delivered.
-        self._pending: asyncio.Queue[_PendingStep] = asyncio.Queue()
+        # Steps sent to the tokenizer, in the order sent, waiting for their reply to be
+        # delivered; _CHECK_STRANDED entries ask deliver_next to resume or expire stranded samples.
+        self._pending: asyncio.Queue = asyncio.Queue()
         self._step_taken = asyncio.Event()  # set whenever deliver_next takes a pending step
+        self._seq = 0  # engine steps processed
+        self._stranded: dict[str, tuple[RequestState, _Sample]] = {}  # sample key ->
+        self._timeout_s = getattr(tokenizer, "timeout_s", 30.0)
+        listeners = getattr(tokenizer.stream, "on_open", None)
+        if listeners is not None:
+            listeners.append(lambda: self._pending.put_nowait(_CHECK_STRANDED))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -225,6 +248,9 @@ class OutputProcessor:
         Returns what to abort in the engine for the requests failed here.
         """
         result = OutputProcessorOutput()
+        self._seq += 1
+        seq = self._seq
+        generation = self._tokenizer.stream.generation
         entries: list[_Entry] = []
         items: list[tokenizer_pb2.DetokenizeItem] = []
         for output in step.outputs:
@@ -239,33 +265,98 @@ class OutputProcessor:
             if output.finish_reason == ERROR:
                 self._deliver_failure(state, Failure.from_proto(output.error, grpc.StatusCode.INTERNAL), result)
                 continue
-            if sample.opened_in is None and not output.new_token_ids:
+            if sample.opened_in is None and not output.new_token_ids and not sample.stranded:
                 if finished:  # ended before any token (e.g. aborted while waiting)
                     entries.append(_Entry(state, sample, output, detokenized=False))
+                continue
+            if sample.stranded or (sample.opened_in is not None and sample.opened_in != generation):
+                self._strand(state, sample, seq, output)  # resumed below, or once a stream is open
                 continue
             item = tokenizer_pb2.DetokenizeItem(request_id=sample.key, new_token_ids=output.new_token_ids,
                                                 finished=finished)
             if sample.opened_in is None:
                 item.open.CopyFrom(state.open)
-                sample.opened_in = self._tokenizer.stream.generation
-            elif sample.opened_in != self._tokenizer.stream.generation:
-                self._deliver_failure(state, Failure(grpc.StatusCode.UNAVAILABLE,
-                                                     "the tokenizer restarted while the request ran"), result)
-                continue
+                sample.opened_in = generation
             items.append(item)
             entries.append(_Entry(state, sample, output, detokenized=True))
+        if self._stranded and self._tokenizer.stream.connected:
+            self._resume_into(items, entries)
+        self._send(entries, items, seq)
+        return result
+
+    def _send(self, entries: list["_Entry"], items: list[tokenizer_pb2.DetokenizeItem], seq: int) -> None:
+        """Send one message for these entries and queue it for deliver_next; if the stream is
+        down, the entries that need the tokenizer are stranded instead."""
         if not entries:
-            return result
+            return
         reply: asyncio.Future | None = None
         if items:
             try:
                 reply = self._tokenizer.stream.send(items)
-            except DetokenizeStreamError as exc:
+            except DetokenizeStreamError:
                 for entry in entries:
-                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)), result)
-                return result
-        self._pending.put_nowait(_PendingStep(entries, reply, len(items)))
-        return result
+                    if entry.detokenized:
+                        self._strand(entry.state, entry.sample, seq, entry.output)
+                entries = [e for e in entries if not e.detokenized]
+                items = []
+                if not entries:
+                    return
+        self._pending.put_nowait(_PendingStep(entries, reply, len(items), seq))
+
+    def _strand(self, state: RequestState, sample: _Sample, seq: int, output: engine_pb2.RequestOutput) -> None:
+        if not sample.stranded:
+            sample.stranded_since = time.monotonic()
+            if not self._stranded:  # expire what is still stranded once the timeout has passed
+                asyncio.get_running_loop().call_later(self._timeout_s + 0.05, self._pending.put_nowait,
+                                                      _CHECK_STRANDED)
+        sample.stranded.append((seq, output))
+        sample.opened_in = None  # the tokenizer that had it open is gone
+        self._stranded[sample.key] = (state, sample)
+
+    def _resume_into(self, items: list[tokenizer_pb2.DetokenizeItem], entries: list["_Entry"]) -> None:
+        """Reopen every stranded sample on the current stream, with its waiting outputs as one."""
+        generation = self._tokenizer.stream.generation
+        for key, (state, sample) in list(self._stranded.items()):
+            del self._stranded[key]
+            if self._requests.get(state.request_id) is not state or sample.done:
+                sample.stranded = []
+                continue
+            outputs = [o for _, o in sorted(sample.stranded, key=lambda x: x[0])]
+            sample.stranded = []
+            merged = _merged_outputs(outputs)
+            item = tokenizer_pb2.DetokenizeItem(request_id=sample.key, new_token_ids=merged.new_token_ids,
+                                                finished=merged.finish_reason != RUNNING)
+            item.open.CopyFrom(state.open)
+            if sample.acked_ids:
+                item.open.resumed_token_ids.extend(sample.acked_ids)
+                item.open.resumed_text_chars = sample.emitted_chars
+            sample.opened_in = generation
+            items.append(item)
+            entries.append(_Entry(state, sample, merged, detokenized=True))
+            log.info("request resumed on a new detokenize stream", extra={
+                "request_id": state.request_id, "sample": key, "resumed_tokens": len(sample.acked_ids),
+                "waiting_tokens": len(merged.new_token_ids)})
+
+    def _check_stranded(self, result: OutputProcessorOutput) -> None:
+        """Fail samples stranded past the timeout; resume the others if a stream is open."""
+        now = time.monotonic()
+        for key, (state, sample) in list(self._stranded.items()):
+            if now - sample.stranded_since > self._timeout_s:
+                del self._stranded[key]
+                sample.stranded = []
+                self._deliver_failure(state, Failure(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the tokenizer was unavailable for more than {self._timeout_s:g} s while the request ran"), result)
+        if self._stranded and self._tokenizer.stream.connected:
+            items: list[tokenizer_pb2.DetokenizeItem] = []
+            entries: list[_Entry] = []
+            self._resume_into(items, entries)
+            self._seq += 1
+            self._send(entries, items, self._seq)
+        elif self._stranded:
+            oldest = min(sample.stranded_since for _, sample in self._stranded.values())
+            asyncio.get_running_loop().call_later(max(0.0, oldest + self._timeout_s - now) + 0.05,
+                                                  self._pending.put_nowait, _CHECK_STRANDED)
 
     async def throttle(self) -> None:
         """Wait while more than MAX_PENDING_STEPS steps wait for their tokenizer replies."""
@@ -280,6 +371,9 @@ class OutputProcessor:
         pending = await self._pending.get()
         self._step_taken.set()
         result = OutputProcessorOutput()
+        if pending is _CHECK_STRANDED:
+            self._check_stranded(result)
+            return result
         try:
             await self._deliver_step(pending, result)
         except Exception as exc:  # a bug must not stop delivery for every other request
@@ -294,12 +388,21 @@ class OutputProcessor:
         if pending.reply is not None:
             try:
                 results = await pending.reply
-                if len(results) != pending.num_items:
-                    raise DetokenizeStreamError(
-                        f"tokenizer answered {len(results)} results for {pending.num_items} items")
-            except DetokenizeStreamError as exc:
+            except DetokenizeStreamError:
+                # the stream broke before the reply: these outputs wait for the next stream
                 for entry in pending.entries:
-                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, str(exc)), result)
+                    if entry.detokenized:
+                        self._strand(entry.state, entry.sample, pending.seq, entry.output)
+                    else:
+                        self._deliver(entry.state, entry.sample,
+                                      self._sample_output(entry.state, entry.output, "", [], [], {}), result)
+                if self._tokenizer.stream.connected:  # a new stream is already open
+                    self._pending.put_nowait(_CHECK_STRANDED)
+                return
+            if len(results) != pending.num_items:  # a tokenizer bug: these requests cannot go on
+                message = f"tokenizer answered {len(results)} results for {pending.num_items} items"
+                for entry in pending.entries:
+                    self._deliver_failure(entry.state, Failure(grpc.StatusCode.UNAVAILABLE, message), result)
                 return
         texts = await self._token_texts(pending.entries)
         next_result = iter(results)
@@ -328,6 +431,8 @@ class OutputProcessor:
             out.finish_reason, out.stop_reason, out.stop_token_id = STOP, detokenized.stop_matched, None
         if detokenized.finished or output.finish_reason != RUNNING:
             sample.tokenizer_done = True  # the tokenizer forgets a request it reports or was told finished
+        sample.acked_ids.extend(output.new_token_ids)
+        sample.emitted_chars += len(detokenized.text_delta)
         self._deliver(state, sample, out, result)
 
     @staticmethod
@@ -417,6 +522,26 @@ class _PendingStep:
     entries: list[_Entry]
     reply: Optional[asyncio.Future]
     num_items: int
+    seq: int = 0  # the engine step's sequence number (stranded outputs are resumed in order)
+
+
+_CHECK_STRANDED = object()  # on the pending queue: resume stranded samples, expire old ones
+
+
+def _merged_outputs(outputs: list[engine_pb2.RequestOutput]) -> engine_pb2.RequestOutput:
+    """One sample's consecutive step outputs as one (the last one's status)."""
+    merged = engine_pb2.RequestOutput()
+    merged.CopyFrom(outputs[-1])
+    del merged.new_token_ids[:]
+    del merged.logprobs[:]
+    for o in outputs:
+        merged.new_token_ids.extend(o.new_token_ids)
+        merged.logprobs.extend(o.logprobs)
+        merged.num_cached_tokens = max(merged.num_cached_tokens, o.num_cached_tokens)
+    first_prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
+    if first_prompt is not None and not merged.prompt_logprobs:
+        merged.prompt_logprobs.extend(first_prompt)
+    return merged
 
 
 def _fill_token_texts(logprobs: Iterable[common_pb2.PositionLogprobs], texts: dict[int, str]) -> None:

@@ -156,6 +156,7 @@ class _TokenizerStream:
         self._stalled: str | None = None  # why the reply watchdog broke the current stream off
         # Bumped each time a new stream opens: requests opened on an older one are lost.
         self.generation = 0
+        self.on_open: list = []  # callables run each time a new stream is open (and generation bumped)
 
     @property
     def connected(self) -> bool:
@@ -213,6 +214,8 @@ class _TokenizerStream:
         self._on_open()
         self.generation += 1
         log.info(f"{self.name} stream open", extra={"generation": self.generation})
+        for listener in self.on_open:
+            listener()
         reason = f"the tokenizer closed the {self.name} stream"
         self._stalled = None
         watchdog = asyncio.create_task(self._watch_replies(call), name=f"{self.name}-replies")

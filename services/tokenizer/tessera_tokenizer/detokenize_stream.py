@@ -144,6 +144,16 @@ class DetokenizeSession:
                 prompt_token_ids=list(spec.prompt_token_ids),
                 min_tokens=spec.min_tokens,
             )
+            if spec.resumed_token_ids:
+                resumed = spec.resumed_token_ids[:]
+                bad = self.tokenizer.first_invalid_id(resumed)
+                if bad is not None:
+                    raise InvalidItem(f"open.resumed_token_ids: token id {bad} is out of range "
+                                      f"[0, {self.tokenizer.vocab_size})")
+                try:
+                    request.resume(resumed, spec.resumed_text_chars)
+                except ValueError as exc:
+                    raise InvalidItem(f"open.resumed_token_ids: {exc}") from None
         self.requests[rid] = request
         self._tally[rid] = [time.monotonic(), 0, 0]
         self._ended.pop(rid, None)

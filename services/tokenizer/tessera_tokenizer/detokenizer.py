@@ -252,9 +252,37 @@ class IncrementalDetokenizer:
         self._min_tokens = max(min_tokens, 0)
         self._num_tokens = 0  # tokens seen so far
         self.finished = False
+        # After `resume`: text the replay released past what the client has (sent with the
+        # next output), or characters the client has past it (dropped from the next outputs).
+        # Both stay empty when the replay reproduces the first run, as it does.
+        self._surplus = ""
+        self._skip = 0
+
+    def resume(self, token_ids: Sequence[int], text_chars: int) -> None:
+        """Replay tokens detokenized elsewhere, of which the client has `text_chars` characters
+        of text: the state (decoder window, held-back text, min_tokens count) is theirs, and
+        their text is not emitted again. ValueError if a stop string completes in them."""
+        out = self.step(token_ids)
+        if out.finished:
+            raise ValueError("a stop string completes in them: the request had ended")
+        self._surplus = out.text[text_chars:]
+        self._skip = max(0, text_chars - len(out.text))
+
+    def _resumed(self, out: DetokenizeOutput) -> DetokenizeOutput:
+        text = self._surplus + out.text
+        self._surplus = ""
+        if self._skip:
+            cut = min(self._skip, len(text))
+            text, self._skip = text[cut:], self._skip - cut
+        return _output(text, out.stop_matched, out.tokens_consumed, out.finished)
 
     def step(self, token_ids: Sequence[int], finished: bool = False) -> DetokenizeOutput:
         """Add a step's new token ids; with `finished`, also flush everything held back."""
+        if self._surplus or self._skip:
+            return self._resumed(self._step(token_ids, finished))
+        return self._step(token_ids, finished)
+
+    def _step(self, token_ids: Sequence[int], finished: bool) -> DetokenizeOutput:
         if self.finished:
             return _output("", None, 0, True)
         stops = self._stops

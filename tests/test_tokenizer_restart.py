@@ -1,0 +1,78 @@
+"""A tokenizer restart fails no request in flight: the frontend holds each request's output
+ids and the length of the text it sent, reopens the request on the new tokenizer's stream
+(DetokenizeOpen.resumed_token_ids / resumed_text_chars), and the text continues with no
+repeated or missing character. Its own tokenizer and frontend processes in front of the
+shared stack's engine: streaming requests are run once undisturbed, then again with the
+tokenizer killed (SIGKILL, as a crash) and started again mid-run; the texts are equal."""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from metrics_util import json_lines
+from stack import STARTUP_TIMEOUT_S, Service, free_port, frontend_service, stack  # noqa: F401
+from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
+
+QUESTIONS = ["Describe a lighthouse at night.", "Explain how bread rises.", "Write about a quiet library.",
+             "Tell me about mountain weather.", "Describe the sound of rain.", "Explain why leaves turn red."]
+MAX_TOKENS = 48
+
+
+def _request(i: int, stop: list[str]) -> frontend_pb2.GenerateRequest:
+    chat = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content=QUESTIONS[i])])
+    return frontend_pb2.GenerateRequest(request_id=f"restart-{i}", chat=chat, sampling_params=common_pb2.SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=stop))
+
+
+@pytest.fixture()
+def own_tokenizer_and_frontend(stack):
+    tokenizer = Service("tokenizer-restart", "tessera_tokenizer", free_port(), [],
+                        stack.log_dir / "tokenizer-restart.log")
+    frontend = frontend_service("frontend-restart", tokenizer.addr, stack.engine.addr, stack.log_dir)
+    tokenizer.start()
+    frontend.start()
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        tokenizer.wait_serving(deadline)
+        frontend.wait_serving(deadline)
+        yield tokenizer, frontend
+    finally:
+        frontend.stop()
+        tokenizer.stop()
+
+
+def _texts(stub, restart=None) -> list[tuple[str, int]]:
+    """Run every question at once, streamed; `restart()` is called once each has its first output."""
+    # a stop string that never matches still makes the tokenizer hold text back at times
+    calls = [stub.Generate(_request(i, ["\u2603\u2603"]), timeout=180) for i in range(len(QUESTIONS))]
+    firsts = [next(call) for call in calls]
+    if restart is not None:
+        restart()
+    results = []
+    for first, call in zip(firsts, calls):
+        text, tokens = first.text, len(first.token_ids)
+        for response in call:
+            text += response.text
+            tokens += len(response.token_ids)
+        results.append((text, tokens))
+    return results
+
+
+def test_a_tokenizer_restart_mid_run_fails_no_request_and_loses_no_text(own_tokenizer_and_frontend):
+    tokenizer, frontend = own_tokenizer_and_frontend
+    with grpc.insecure_channel(frontend.addr) as channel:
+        stub = frontend_pb2_grpc.FrontendServiceStub(channel)
+        undisturbed = _texts(stub)
+        assert all(tokens == MAX_TOKENS and text for text, tokens in undisturbed)
+
+        def restart() -> None:
+            tokenizer.kill()
+            tokenizer.start()  # same port
+            tokenizer.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
+
+        disturbed = _texts(stub, restart)
+    assert disturbed == undisturbed
+    resumed = [e for e in json_lines(frontend.log_path) if e.get("msg") == "request resumed on a new detokenize stream"]
+    assert resumed, "no request was resumed: the restart did not happen mid-run"

@@ -247,6 +247,32 @@ def test_a_replica_that_stops_answering_is_broken_off(replicas):
     _wait_both_used(stub, frontend, engine_a.addr, engine_b.addr, seconds=60)
 
 
+def test_requests_not_started_on_a_replica_that_dies_complete_on_the_other(replicas):
+    """B is frozen (SIGSTOP) so that what is sent to it cannot start, requests are sent, then B
+    dies (SIGKILL): every request completes, those B had are retried on A."""
+    engine_a, engine_b, frontend, stub = replicas
+    os.kill(engine_b.process.pid, signal.SIGSTOP)
+    futures = [stub.Complete.future(_long_request(f"Name a color of {t}.", f"unstarted-{i}", 8), timeout=120)
+               for i, t in enumerate(TOPICS[:8])]
+    deadline = time.monotonic() + 10
+    while len(_served_by(frontend, "unstarted-")) < 8:
+        assert time.monotonic() < deadline, frontend.log_tail()
+        time.sleep(0.05)
+    first_tries = [e for e in json_lines(frontend.log_path)
+                   if e.get("msg") == "request submitted" and str(e.get("request_id", "")).startswith("unstarted-")]
+    on_b = {e["request_id"] for e in first_tries if e["engine"] == engine_b.addr}
+    assert on_b, "no request went to the frozen replica"
+    engine_b.kill()
+    results = [f.result() for f in futures]
+    assert all(r.usage.completion_tokens == 8 for r in results)
+    finals = _served_by(frontend, "unstarted-")  # the last attempt of each
+    assert all(finals[rid] == engine_a.addr for rid in on_b), finals
+
+    engine_b.start()
+    engine_b.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
+    _wait_both_used(stub, frontend, engine_a.addr, engine_b.addr, seconds=60)
+
+
 def test_killed_replica_is_skipped_and_used_again_after_restart(replicas):
     engine_a, engine_b, frontend, stub = replicas
     engine_b.kill()

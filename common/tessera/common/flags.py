@@ -77,3 +77,5 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int, port_en
              help="on SIGTERM/SIGINT: NOT_SERVING at once, no new requests, and this long for those in "
                   "flight to finish before they are cancelled and the process exits (--shutdown-grace-s: "
                   "its former name)")
+    from tessera.common.tls import add_server_tls_flags  # (tls imports this module)
+    add_server_tls_flags(parser)

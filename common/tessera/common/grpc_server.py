@@ -41,6 +41,7 @@ from tessera.common import aio
 from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
 from tessera.common.metrics import MetricsServer, start_metrics_server
+from tessera.common.tls import ServerTls
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -75,25 +76,30 @@ class GrpcServer:
         self.metrics_server: MetricsServer | None = None
 
     async def start(self, host: str, port: int, metrics_port: int = 0, *, handle_signals: bool = True,
-                    **log_fields) -> int:
+                    tls: ServerTls | None = None, **log_fields) -> int:
         """Bind, start NOT_SERVING, serve metrics; the bound port (`port` 0 picks a free one).
 
         `handle_signals`: SIGTERM / SIGINT request the stop (only the main thread can take
         them; the handlers stay until the loop closes, so a second signal changes nothing).
-        `log_fields` are added to the "listening" line."""
+        `tls`: serve over TLS (mutual, when it has a client CA). `log_fields` are added to the
+        "listening" line."""
         if handle_signals:
             loop = asyncio.get_running_loop()
             for sig in STOP_SIGNALS:
                 loop.add_signal_handler(sig, self.stop_requested.set)
         address = bind_address(host, port)
         try:
-            bound = self.server.add_insecure_port(address)
+            if tls is None:
+                bound = self.server.add_insecure_port(address)
+            else:
+                bound = self.server.add_secure_port(address, tls.grpc_credentials())
         except RuntimeError as exc:  # grpc's way of saying the address cannot be bound
             raise BindError(f"cannot listen on {address}: {exc}") from exc
         await self.health.set(False)
         await self.server.start()
         self.address, self.port = address, bound
         self.log.info("listening", extra={"address": bind_address(host, bound), "event_loop": aio.loop_name(),
+                                          "tls": "off" if tls is None else "mutual" if tls.client_ca else "on",
                                           **log_fields})
         self.metrics_server = start_metrics_server(metrics_port, host, health=lambda: self.health.serving)
         return bound

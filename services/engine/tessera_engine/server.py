@@ -34,7 +34,7 @@ from typing import Callable
 
 import grpc
 
-from tessera.common import aio
+from tessera.common import aio, tls
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import BindError, GrpcServer
 from tessera.common.grpc_service import Health
@@ -364,6 +364,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "has them and the CPU kernels' quantized matmul runs small batches on them)")
     add_metrics_flag(p, "engine")
     args = p.parse_args(argv)
+    tls.check_flags(p, args)
     try:  # a bad setting is a usage error (exit 2, the flag's message), not a traceback at start
         config_from_args(args).validate()
     except ValueError as exc:
@@ -394,7 +395,7 @@ async def serve(args: argparse.Namespace) -> int:
     servicer = EngineServicer(config, grpc_server.health, grpc_server.request_stop)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)
     try:
-        await grpc_server.start(args.host, args.port, args.metrics_port)
+        await grpc_server.start(args.host, args.port, args.metrics_port, tls=tls.server_tls(args))
     except BindError as exc:
         log.error("%s", exc)
         return 1

@@ -34,6 +34,8 @@ from typing import Awaitable, Callable, Collection, Iterable, Sequence
 import grpc
 
 from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
+from tessera.common.tls import ClientTls, host_of
+from tessera.common.tls import channel as tls_channel
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tessera_frontend.discovery import (EngineEntry, Resolver, parse_engine_addrs, resolve_entries,
                                         system_resolve)
@@ -75,13 +77,15 @@ def _merge_inputs(first: engine_pb2.SessionInput, later: engine_pb2.SessionInput
 class EngineReplica:
     """One engine replica: its channel, its Session stream, its health and the requests in flight on it."""
 
-    def __init__(self, addr: str, entry: str = "", stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+    def __init__(self, addr: str, entry: str = "", stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                 tls: ClientTls | None = None) -> None:
         self.addr = addr
         self.entry = entry or addr  # the configured name it was resolved from
         self.stall_timeout_s = stall_timeout_s
         self.last_heard = 0.0  # time.monotonic() of its last step or health answer
         self._stalled: str | None = None  # why the health watcher broke the session off
-        self.channel = grpc.aio.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
+        # over TLS the certificate is checked against the configured name, not the pod's IP
+        self.channel = tls_channel(addr, tls, CLIENT_CHANNEL_OPTIONS, host_of(self.entry))
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.info: engine_pb2.EngineInfo | None = None
         self.healthy = False
@@ -226,7 +230,7 @@ class EngineCoreClient:
     def __init__(self, addrs: str | Sequence[str | EngineEntry], router: Router | None = None,
                  resolver: Resolver = system_resolve,
                  resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
-                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, tls: ClientTls | None = None) -> None:
         if isinstance(addrs, str) or any(not isinstance(a, EngineEntry) for a in addrs):
             addrs = parse_engine_addrs(addrs if isinstance(addrs, str) else [str(a) for a in addrs])
         self.entries: list[EngineEntry] = list(addrs)
@@ -234,6 +238,7 @@ class EngineCoreClient:
         self._resolver = resolver
         self._resolve_interval_s = resolve_interval_s
         self._stall_timeout_s = stall_timeout_s
+        self._tls = tls
         self._resolved: dict[EngineEntry, list[str]] = {}
         self._replicas: dict[str, EngineReplica] = {}
         self._tasks: dict[str, asyncio.Task] = {}
@@ -344,7 +349,7 @@ class EngineCoreClient:
             if replica.sessions_opened > 1:  # a reconnect: the engine may have restarted cold
                 self.router.forget(replica.addr)
 
-        replica = EngineReplica(addr, entry, self._stall_timeout_s)
+        replica = EngineReplica(addr, entry, self._stall_timeout_s, self._tls)
         self._replicas[addr] = replica
         self._tasks[addr] = asyncio.create_task(replica.run(on_step, lost, self._forget, session_open),
                                                 name=f"engine-{addr}")

@@ -28,9 +28,12 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, grace_s: float = 5.0) -> None:
+    def __init__(self, app, host: str, port: int, grace_s: float = 5.0, certfile: str | None = None,
+                 keyfile: str | None = None) -> None:
+        # certfile / keyfile: HTTPS (the frontend's --tls-cert-file / --tls-key-file)
         config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=grace_s)
+                                lifespan="off", timeout_graceful_shutdown=grace_s,
+                                ssl_certfile=certfile, ssl_keyfile=keyfile)
         self.host, self.port = host, port
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None

@@ -22,7 +22,7 @@ import logging
 
 import grpc
 
-from tessera.common import aio
+from tessera.common import aio, tls
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import BindError, GrpcServer
 from tessera.common.grpc_service import Health
@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "Empty: no authentication", secret=True)
     add_flag(parser, "--tokenizer-addr", "TESSERA_TOKENIZER_ADDR", "localhost:50052",
              help="tokenizer service address")
+    tls.add_client_tls_flags(parser)
     add_flag(parser, "--tokenizer-timeout-s", "TESSERA_TOKENIZER_TIMEOUT_S", DEFAULT_TOKENIZER_TIMEOUT_S,
              type=_positive_seconds,
              help="the longest any wait on the tokenizer may take: a prompt's tokens (else DEADLINE_EXCEEDED), "
@@ -130,11 +131,12 @@ async def watch_readiness(llm: AsyncLLM, health: Health) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the process exit code (1: the gRPC port cannot be bound)."""
-    tokenizer = TokenizerClient(args.tokenizer_addr, args.tokenizer_timeout_s)
+    server_tls, backend_tls = tls.server_tls(args), tls.client_tls(args)
+    tokenizer = TokenizerClient(args.tokenizer_addr, args.tokenizer_timeout_s, backend_tls)
     engine = EngineCoreClient(parse_engine_addrs(args.engine_addrs),
                               Router(max_imbalance=args.affinity_max_imbalance),
                               resolve_interval_s=args.engine_resolve_interval,
-                              stall_timeout_s=args.engine_timeout_s)
+                              stall_timeout_s=args.engine_timeout_s, tls=backend_tls)
     llm = AsyncLLM(tokenizer, engine, stream_interval=args.stream_interval)
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop,
                     max_body_bytes=args.max_body_bytes)
@@ -146,7 +148,7 @@ async def serve(args: argparse.Namespace) -> int:
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission),
                                                             grpc_server.server)
     try:
-        await grpc_server.start(args.host, args.port, args.metrics_port, http_port=args.http_port or None,
+        await grpc_server.start(args.host, args.port, args.metrics_port, tls=server_tls, http_port=args.http_port or None,
                                 tokenizer=args.tokenizer_addr, engines=[str(e) for e in engine.entries],
                                 max_inflight_requests=args.max_inflight_requests, api_keys=len(parse_api_keys(args.api_key)))
     except BindError as exc:
@@ -158,7 +160,9 @@ async def serve(args: argparse.Namespace) -> int:
         app = create_app(llm, limits, admission, args.served_model_name)
         if keys.enabled:
             app.add_middleware(ApiKeyMiddleware, keys=keys)  # outermost: before the body is read
-        http = HttpServer(app, args.host, args.http_port, grace_s=grpc_server.grace_s)
+        http = HttpServer(app, args.host, args.http_port, grace_s=grpc_server.grace_s,
+                          certfile=args.tls_cert_file if server_tls else None,
+                          keyfile=args.tls_key_file if server_tls else None)
         await http.start()
     llm.start()
     readiness = asyncio.create_task(watch_readiness(llm, grpc_server.health), name="readiness")
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_engine_addrs(args.engine_addrs)
     except ValueError as exc:
         parser.error(f"--engine-addrs: {exc}")
+    tls.check_flags(parser, args)
     for flag in ("max_inflight_requests", "max_n", "engine_resolve_interval", "stream_interval"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")

@@ -37,6 +37,8 @@ from typing import Iterable, Sequence
 import grpc
 
 from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
+from tessera.common.tls import ClientTls, host_of
+from tessera.common.tls import channel as tls_channel
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_frontend.grpc_util import drain, is_serving, status_code
 
@@ -70,10 +72,10 @@ class TokenizeError(Exception):
 class TokenizerClient:
     """The tokenizer service at `addr`: the shared tokenize and detokenize streams, unary calls."""
 
-    def __init__(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, tls: ClientTls | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(addr, options=CLIENT_CHANNEL_OPTIONS)
+        self.channel = tls_channel(addr, tls, CLIENT_CHANNEL_OPTIONS, host_of(addr))
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.stream = DetokenizeStream(self.stub, self.wait_serving, timeout_s)
         self.tokenize_stream = TokenizeStream(self.stub, self.wait_serving, timeout_s)

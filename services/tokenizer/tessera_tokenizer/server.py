@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 import grpc
 
-from tessera.common import aio
+from tessera.common import aio, tls
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import BindError, GrpcServer
 from tessera.common.grpc_service import request_id_from
@@ -307,7 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_flag(parser, "--max-messages", "TESSERA_MAX_MESSAGES", 1024, type=int,
              help="most chat messages Tokenize accepts")
     add_metrics_flag(parser, "tokenizer")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    tls.check_flags(parser, args)
+    return args
 
 
 def _load_in_background(model: str | None) -> asyncio.Future:
@@ -342,7 +344,7 @@ async def serve(args: argparse.Namespace) -> int:
     servicer = TokenizerServicer(args.max_input_chars, args.max_messages)
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, grpc_server.server)
     try:
-        await grpc_server.start(args.host, args.port, args.metrics_port)
+        await grpc_server.start(args.host, args.port, args.metrics_port, tls=tls.server_tls(args))
     except BindError as exc:
         log.error("%s", exc)
         return 1

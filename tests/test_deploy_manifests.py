@@ -376,7 +376,16 @@ def test_overlay_shape(overlay, kubectl):
         c = dep["spec"]["template"]["spec"]["containers"][0]
         grpc_port = int(containers[kind].env[f"TESSERA_{kind.upper()}_PORT"])
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == grpc_port, f"{kind} {probe} does not ask its gRPC port"
+            if overlay == "tls":  # kubelet's gRPC probes cannot speak TLS: HTTP /health on the metrics port
+                assert "grpc" not in c[probe], f"{kind} {probe} asks gRPC over a TLS port"
+                assert c[probe]["httpGet"] == {"path": "/health", "port": int(containers[kind].env["TESSERA_METRICS_PORT"])}
+            else:
+                assert c[probe]["grpc"]["port"] == grpc_port, f"{kind} {probe} does not ask its gRPC port"
+        if overlay == "tls":
+            env = containers[kind].env
+            assert env["TESSERA_TLS_CERT_FILE"].startswith("/etc/tessera/tls/")
+            mtls = "TESSERA_BACKEND_TLS_CERT_FILE" if kind == "frontend" else "TESSERA_TLS_CLIENT_CA_FILE"
+            assert env[mtls].startswith("/etc/tessera/tls/"), f"{kind}: no mutual TLS"
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]) <= set(c["resources"]["limits"])
         assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
         # preStop sleep, then the drain, both inside the grace period

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from stack import health_status, stack, wait_engine_idle  # noqa: F401  (the session fixture)
+from stack import free_port, health_status, stack, wait_engine_idle  # noqa: F401  (the session fixture)
 from tessera.v1 import common_pb2, engine_pb2, frontend_pb2, tokenizer_pb2
 
 QUESTION = "What is the capital of France? Answer in one word."
@@ -201,6 +201,14 @@ def test_cli_generate(stack):
     health = subprocess.run([sys.executable, "-m", "tessera.cli", "health", "--addr", stack.frontend.addr],
                             capture_output=True, text=True, timeout=60)
     assert health.returncode == 0 and health.stdout.strip() == "SERVING"
+    # the images' HEALTHCHECK: any service's HTTP /health on its metrics port
+    for service in (stack.tokenizer, stack.engine, stack.frontend):
+        health = subprocess.run([sys.executable, "-m", "tessera.cli", "health", "--metrics-addr",
+                                 f"{service.host}:{service.metrics_port}"], capture_output=True, text=True, timeout=60)
+        assert health.returncode == 0 and health.stdout.strip() == "SERVING", (service.name, health.stderr)
+    nobody = subprocess.run([sys.executable, "-m", "tessera.cli", "health", "--metrics-addr", f"127.0.0.1:{free_port()}"],
+                            capture_output=True, text=True, timeout=60)
+    assert nobody.returncode == 1 and "failed" in nobody.stderr
 
 
 def test_cli_reports_errors(stack):

@@ -3,16 +3,22 @@
     tessera generate "Why is the sky blue?" [--addr HOST:PORT] [--max-tokens N]
                      [--temperature T] [--seed S] [--raw] [--wait SECONDS]
     tessera health [--addr HOST:PORT] [--wait SECONDS]
+    tessera health --metrics-addr HOST:PORT
 
 `generate` sends the prompt as one user chat message (or as plain text with
 --raw), streams the text to stdout as it arrives, then prints a newline and the
 usage to stderr. gRPC errors are reported on stderr with a non-zero exit status.
+`health --metrics-addr` asks any service's HTTP /health on its metrics port instead of
+gRPC (the same answer, whatever TLS the gRPC port speaks): the images' HEALTHCHECK.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as chat")
 
     health = commands.add_parser("health", help="print the frontend's health status")
+    health.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
+                        help="ask a service's HTTP /health on its metrics port instead (any service, any TLS)")
     for sub in (gen, health):
         add_flag(sub, "--addr", "TESSERA_FRONTEND_ADDR", "localhost:50051", help="frontend address")
         sub.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
@@ -112,8 +120,24 @@ def cmd_health(args: argparse.Namespace, channel: grpc.Channel) -> int:
     return 0 if status == "SERVING" else EXIT_NOT_SERVING
 
 
+def http_health(metrics_addr: str, timeout: float = 5.0) -> int:
+    """Exit status of `health --metrics-addr`: 0 when the service's HTTP /health says SERVING."""
+    try:
+        with urllib.request.urlopen(f"http://{metrics_addr}/health", timeout=timeout) as reply:
+            status = json.loads(reply.read()).get("status", "UNKNOWN")
+    except urllib.error.HTTPError as exc:  # 503: NOT_SERVING
+        status = json.loads(exc.read() or b"{}").get("status", f"HTTP {exc.code}")
+    except (OSError, ValueError) as exc:
+        print(f"tessera: health at http://{metrics_addr}/health failed: {exc}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+    print(status)
+    return 0 if status == "SERVING" else EXIT_NOT_SERVING
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "health" and args.metrics_addr:
+        return http_health(args.metrics_addr)
     with grpc.insecure_channel(args.addr, options=CHANNEL_OPTIONS) as channel:
         if args.wait > 0:
             status = wait_serving(channel, args.wait)

@@ -172,6 +172,30 @@ def frontend_service(name: str, tokenizer_addr: str, engine_addrs: str, log_dir:
 
 
 @contextlib.contextmanager
+def tokenizer_and_frontend(stack: "Stack", name: str, *frontend_args: str):
+    """A tokenizer process of its own and a frontend (these flags) in front of it and the shared
+    stack's engine, both SERVING: for tests that stop, hang or restart the tokenizer without
+    touching the shared one. Yields (tokenizer, frontend); a stopped (SIGSTOP) tokenizer is
+    continued before both are stopped."""
+    tokenizer = Service(f"tokenizer-{name}", "tessera_tokenizer", free_port(), [],
+                        stack.log_dir / f"tokenizer-{name}.log")
+    frontend = frontend_service(f"frontend-{name}", tokenizer.addr, stack.engine.addr, stack.log_dir,
+                                *frontend_args)
+    tokenizer.start()
+    frontend.start()
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        tokenizer.wait_serving(deadline)
+        frontend.wait_serving(deadline)
+        yield tokenizer, frontend
+    finally:
+        if tokenizer.process is not None and tokenizer.process.poll() is None:
+            os.kill(tokenizer.process.pid, signal.SIGCONT)
+        frontend.stop()
+        tokenizer.stop()
+
+
+@contextlib.contextmanager
 def serving(service: Service):
     """Start `service`, wait until it is SERVING and yield a channel to it; stop it on exit."""
     service.start()

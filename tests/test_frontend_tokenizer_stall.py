@@ -1,6 +1,7 @@
 """A tokenizer that stops answering (SIGSTOP: the process hangs, its connections stay open)
 neither hangs the frontend's requests nor leaves its health SERVING: with
---tokenizer-timeout-s 2, a running request fails UNAVAILABLE within seconds, health turns
+--tokenizer-timeout-s 2, a running request fails UNAVAILABLE within seconds (its stream is
+broken off, and its outputs wait for a new one no longer than that either), health turns
 NOT_SERVING, new requests fail fast, and all is well again once the tokenizer resumes.
 
 Its own tokenizer and frontend processes in front of the shared stack's engine."""
@@ -15,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from metrics_util import wait_for
-from stack import STARTUP_TIMEOUT_S, Service, free_port, frontend_service, health_status, stack  # noqa: F401
+from stack import health_status, stack, tokenizer_and_frontend  # noqa: F401
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -30,22 +31,8 @@ def _request(request_id: str, max_tokens: int) -> frontend_pb2.GenerateRequest:
 
 @pytest.fixture()
 def own_tokenizer_and_frontend(stack):
-    tokenizer = Service("tokenizer-stall", "tessera_tokenizer", free_port(), [],
-                        stack.log_dir / "tokenizer-stall.log")
-    frontend = frontend_service("frontend-stall", tokenizer.addr, stack.engine.addr, stack.log_dir,
-                                "--tokenizer-timeout-s", "2")
-    tokenizer.start()
-    frontend.start()
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        tokenizer.wait_serving(deadline)
-        frontend.wait_serving(deadline)
-        yield tokenizer, frontend
-    finally:
-        if tokenizer.process is not None and tokenizer.process.poll() is None:
-            os.kill(tokenizer.process.pid, signal.SIGCONT)
-        frontend.stop()
-        tokenizer.stop()
+    with tokenizer_and_frontend(stack, "stall", "--tokenizer-timeout-s", "2") as both:
+        yield both
 
 
 def test_a_tokenizer_that_stops_answering_fails_requests_fast_and_turns_health_off(own_tokenizer_and_frontend):
@@ -61,7 +48,8 @@ def test_a_tokenizer_that_stops_answering_fails_requests_fast_and_turns_health_o
             for _ in running:
                 pass
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
-        assert "did not answer within 2 s" in failed.value.details()
+        # its stream broken off after 2 s without an answer, its waiting outputs given up 2 s later
+        assert "tokenizer" in failed.value.details() and "2 s" in failed.value.details(), failed.value.details()
         assert time.monotonic() - stopped < 15
         wait_for(lambda: health_status(channel) == NOT_SERVING, 15, "the frontend to go NOT_SERVING", interval=0.1)
 

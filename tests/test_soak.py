@@ -11,7 +11,6 @@ import random
 import time
 
 import grpc
-import pytest
 
 from stack import STARTUP_TIMEOUT_S, health_status, stack, wait_engine_idle  # noqa: F401
 from tessera.common.grpc_service import CHANNEL_OPTIONS

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from metrics_util import json_lines
-from stack import STARTUP_TIMEOUT_S, Service, free_port, frontend_service, stack  # noqa: F401
+from stack import STARTUP_TIMEOUT_S, stack, tokenizer_and_frontend  # noqa: F401
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 
 QUESTIONS = ["Describe a lighthouse at night.", "Explain how bread rises.", "Write about a quiet library.",
@@ -28,19 +28,8 @@ def _request(i: int, stop: list[str]) -> frontend_pb2.GenerateRequest:
 
 @pytest.fixture()
 def own_tokenizer_and_frontend(stack):
-    tokenizer = Service("tokenizer-restart", "tessera_tokenizer", free_port(), [],
-                        stack.log_dir / "tokenizer-restart.log")
-    frontend = frontend_service("frontend-restart", tokenizer.addr, stack.engine.addr, stack.log_dir)
-    tokenizer.start()
-    frontend.start()
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        tokenizer.wait_serving(deadline)
-        frontend.wait_serving(deadline)
-        yield tokenizer, frontend
-    finally:
-        frontend.stop()
-        tokenizer.stop()
+    with tokenizer_and_frontend(stack, "restart") as both:
+        yield both
 
 
 def _texts(stub, restart=None) -> list[tuple[str, int]]:

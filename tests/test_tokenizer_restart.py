@@ -6,6 +6,7 @@ shared stack's engine: streaming requests are run once undisturbed, then again w
 tokenizer killed (SIGKILL, as a crash) and started again mid-run; the texts are equal."""
 from __future__ import annotations
 
+import signal
 import time
 
 import grpc
@@ -49,7 +50,10 @@ def _texts(stub, restart=None) -> list[tuple[str, int]]:
     return results
 
 
-def test_a_tokenizer_restart_mid_run_fails_no_request_and_loses_no_text(own_tokenizer_and_frontend):
+@pytest.mark.parametrize("how", ["crash", "sigterm"])
+def test_a_tokenizer_restart_mid_run_fails_no_request_and_loses_no_text(own_tokenizer_and_frontend, how):
+    """`crash`: SIGKILL. `sigterm`: the drain, which ends the open streams at once and exits 0
+    (it does not hold them for the drain timeout)."""
     tokenizer, frontend = own_tokenizer_and_frontend
     with grpc.insecure_channel(frontend.addr) as channel:
         stub = frontend_pb2_grpc.FrontendServiceStub(channel)
@@ -57,7 +61,13 @@ def test_a_tokenizer_restart_mid_run_fails_no_request_and_loses_no_text(own_toke
         assert all(tokens == MAX_TOKENS and text for text, tokens in undisturbed)
 
         def restart() -> None:
-            tokenizer.kill()
+            if how == "crash":
+                tokenizer.kill()
+            else:
+                started = time.monotonic()
+                tokenizer.process.send_signal(signal.SIGTERM)
+                assert tokenizer.process.wait(15) == 0, tokenizer.log_tail()
+                assert time.monotonic() - started < 10  # not the 30 s drain timeout
             tokenizer.start()  # same port
             tokenizer.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
 

@@ -108,12 +108,19 @@ class TokenizerClient:
         """Tokenize on the tokenize stream; TokenizeError with the status the unary Tokenize
         would give (INVALID_ARGUMENT naming the field, UNAVAILABLE, DEADLINE_EXCEEDED)."""
         timeout = self.timeout_s if timeout is None else timeout
-        try:
-            result = await asyncio.wait_for(self.tokenize_stream.submit(request, request_id), timeout)
-        except TokenizeStreamError as exc:
-            raise TokenizeError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except asyncio.TimeoutError:
-            raise TokenizeError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:g} s") from None
+        deadline = time.monotonic() + timeout
+        for attempt in (1, 2):  # a stream that broke under the prompt (a restart): once more on the next
+            try:
+                result = await asyncio.wait_for(self.tokenize_stream.submit(request, request_id),
+                                                max(0.0, deadline - time.monotonic()))
+                break
+            except TokenizeStreamError as exc:
+                if attempt == 2:
+                    raise TokenizeError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                while not self.tokenize_stream.connected and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            except asyncio.TimeoutError:
+                raise TokenizeError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:g} s") from None
         if result.HasField("error"):
             raise TokenizeError(status_code(result.error.code, grpc.StatusCode.INTERNAL), result.error.message)
         return result.response

@@ -7,6 +7,11 @@ A thin adapter: validation and proto conversion here, the work in `tokenizer`,
 background thread, then turns SERVING; calls made before that get UNAVAILABLE. A tokenizer
 that fails to load ends the process (exit 1).
 
+SIGTERM: NOT_SERVING, then each open stream ends (OK) after the message in hand and the
+process exits once unary calls in flight are answered (up to --drain-timeout-s). The
+frontend reopens its streams on another (or the restarted) tokenizer and resumes every
+request there (DetokenizeOpen.resumed_token_ids), so a rolling update fails none.
+
 Run with `python -m tessera_tokenizer --port N` (flags below, each with an env fallback).
 Prometheus metrics (see `metrics`) and an HTTP /health that agrees with grpc.health.v1 are
 served on `--metrics-port`. Every request that ends on a DetokenizeStream gets one
@@ -80,6 +85,28 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.tokenizer: Tokenizer | None = None
         self.max_input_chars = max_input_chars
         self.max_messages = max_messages
+        # Set on SIGTERM: the streams end (OK) after the message in hand, and the frontend
+        # moves its requests to a new stream (resuming each one), so the process need not
+        # wait the drain timeout for streams that stay open as long as the frontend runs.
+        self.draining = asyncio.Event()
+
+    async def _until_draining(self, request_iterator: AsyncIterator):
+        """The stream's messages until the client ends it or the drain starts."""
+        drained = asyncio.ensure_future(self.draining.wait())
+        messages = request_iterator.__aiter__()
+        try:
+            while True:
+                following = asyncio.ensure_future(messages.__anext__())
+                await asyncio.wait({following, drained}, return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():
+                    following.cancel()
+                    return
+                try:
+                    yield following.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            drained.cancel()
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Tokenizer:
         if self.tokenizer is None:
@@ -121,7 +148,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
         async def read() -> None:
             try:
-                async for message in request_iterator:
+                async for message in self._until_draining(request_iterator):
                     done = []
                     for item in message.items:
                         try:
@@ -253,7 +280,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         log.info("detokenize stream opened", extra={"stream_id": stream_id, "peer": context.peer()})
         metrics.STREAMS_ACTIVE.inc()
         try:
-            async for message in request_iterator:
+            async for message in self._until_draining(request_iterator):
                 tokens = sum(len(item.new_token_ids) for item in message.items)
                 before = len(session.requests)
                 started = time.perf_counter()
@@ -371,6 +398,8 @@ async def serve(args: argparse.Namespace) -> int:
     stop_wait.cancel()
     loading.cancel()
 
+    await grpc_server.health.set(False)
+    servicer.draining.set()  # the streams end; unary calls in flight get the drain timeout
     await grpc_server.stop()
     log.info("stopped")
     return code

@@ -105,6 +105,8 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// The mask of lanes [0, m), 0 <= m <= 16.
+inline __mmask16 first_lanes(int64_t m) { return static_cast<__mmask16>((1u << m) - 1); }
 // e^x: Cody-Waite range reduction, a degree-7 polynomial on |r| <= ln2/2 (relative
 // error ~5e-9), scaled by 2^n (inf past ~88; inputs under -87 give e^-87, not 0)
 inline __m512 exp16(__m512 x) {
@@ -130,9 +132,7 @@ inline void softmax_inplace(float* s, int64_t L) {
 #if defined(__AVX512F__)
   // masked tails: a row's last partial vector costs one exp16, not up to 15 scalar exps
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  auto tail = [L](int64_t t) -> __mmask16 {
-    return t + 16 <= L ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (L - t)) - 1);
-  };
+  auto tail = [L](int64_t t) { return first_lanes(std::min<int64_t>(16, L - t)); };
   __m512 vm = ninf;
   for (int64_t t = 0; t < L; t += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, tail(t), s + t));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
@@ -254,8 +254,7 @@ void attend_vec(const T* q, int64_t q_head, const T* kc, const T* vc, const int6
           __m512 part[16];
           for (int64_t o = 0; o < m; ++o) part[o] = qr.dot_partial(kb + (o0 + o) * sh.kv_row);
           for (int64_t o = m; o < 16; ++o) part[o] = _mm512_setzero_ps();
-          _mm512_mask_storeu_ps(sc + o0, static_cast<__mmask16>((1u << m) - 1),
-                                _mm512_mul_ps(sum_lanes16(part), vscale));
+          _mm512_mask_storeu_ps(sc + o0, first_lanes(m), _mm512_mul_ps(sum_lanes16(part), vscale));
         }
       }
     }

@@ -172,6 +172,22 @@ def frontend_service(name: str, tokenizer_addr: str, engine_addrs: str, log_dir:
 
 
 @contextlib.contextmanager
+def all_serving(*services: Service):
+    """Start these services at once, wait until each is SERVING (one deadline), yield them;
+    stop them in reverse order on exit."""
+    try:
+        for service in services:
+            service.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for service in services:
+            service.wait_serving(deadline)
+        yield services
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
+@contextlib.contextmanager
 def tokenizer_and_frontend(stack: "Stack", name: str, *frontend_args: str):
     """A tokenizer process of its own and a frontend (these flags) in front of it and the shared
     stack's engine, both SERVING: for tests that stop, hang or restart the tokenizer without
@@ -181,18 +197,12 @@ def tokenizer_and_frontend(stack: "Stack", name: str, *frontend_args: str):
                         stack.log_dir / f"tokenizer-{name}.log")
     frontend = frontend_service(f"frontend-{name}", tokenizer.addr, stack.engine.addr, stack.log_dir,
                                 *frontend_args)
-    tokenizer.start()
-    frontend.start()
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        tokenizer.wait_serving(deadline)
-        frontend.wait_serving(deadline)
-        yield tokenizer, frontend
-    finally:
-        if tokenizer.process is not None and tokenizer.process.poll() is None:
-            os.kill(tokenizer.process.pid, signal.SIGCONT)
-        frontend.stop()
-        tokenizer.stop()
+    with all_serving(tokenizer, frontend):
+        try:
+            yield tokenizer, frontend
+        finally:
+            if tokenizer.process is not None and tokenizer.process.poll() is None:
+                os.kill(tokenizer.process.pid, signal.SIGCONT)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from metrics_util import json_lines
-from stack import STARTUP_TIMEOUT_S, Service, frontend_service, health_status, stack  # noqa: F401
+from stack import STARTUP_TIMEOUT_S, Service, all_serving, frontend_service, health_status, stack  # noqa: F401
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 from tessera_frontend.async_llm import AsyncLLM
 from tessera_frontend.engine_client import EngineCoreClient
@@ -38,19 +38,10 @@ def replicas(stack):
                        stack.log_dir / "engine-b.log", host=B_HOST)
     frontend = frontend_service("frontend-replicas", stack.tokenizer.addr,
                                 f"{stack.engine.addr},{engine_b.addr}", stack.log_dir, "--engine-timeout-s", "3")
-    engine_b.start()
-    frontend.start()
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        engine_b.wait_serving(deadline)
-        frontend.wait_serving(deadline)
-        with grpc.insecure_channel(frontend.addr) as channel:
-            stub = frontend_pb2_grpc.FrontendServiceStub(channel)
-            _wait_both_used(stub, frontend, stack.engine.addr, engine_b.addr)
-            yield stack.engine, engine_b, frontend, stub
-    finally:
-        frontend.stop()
-        engine_b.stop()
+    with all_serving(engine_b, frontend), grpc.insecure_channel(frontend.addr) as channel:
+        stub = frontend_pb2_grpc.FrontendServiceStub(channel)
+        _wait_both_used(stub, frontend, stack.engine.addr, engine_b.addr)
+        yield stack.engine, engine_b, frontend, stub
 
 
 def _request(text: str, request_id: str, max_tokens: int = 6) -> frontend_pb2.GenerateRequest:

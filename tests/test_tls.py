@@ -18,7 +18,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stack import STARTUP_TIMEOUT_S, Service, free_port, frontend_service
+from stack import Service, all_serving, free_port, frontend_service
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 
 trustme = pytest.importorskip("trustme")
@@ -75,18 +75,9 @@ def tls_stack():
                             "--backend-tls-key-file", str(d / "client.key"))
     frontend = _Secure(base.name, base.module, base.port, base.args, base.log_path, http_port=base.http_port)
     frontend.credentials = grpc.ssl_channel_credentials(ca.cert_pem.bytes())
-    services = [tokenizer, engine, frontend]
-    try:
-        for s in services:
-            s.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for s in services:
-            s.wait_serving(deadline)
+    with all_serving(tokenizer, engine, frontend):
         yield {"ca": ca, "ca_file": ca_file, "client": client, "stranger": stranger, "tokenizer": tokenizer,
                "engine": engine, "frontend": frontend}
-    finally:
-        for s in reversed(services):
-            s.stop()
 
 
 def _request() -> frontend_pb2.GenerateRequest:

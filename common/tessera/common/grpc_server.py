@@ -5,7 +5,7 @@
     await server.start(args.host, args.port, args.metrics_port)  # BindError if it cannot listen
     ...  # load; then `await server.health.set(True)` when ready
     await server.wait_for_stop()                              # SIGTERM / SIGINT
-    await server.stop()                                       # NOT_SERVING, drain, close
+    await server.stop(drain=...)                              # NOT_SERVING, drain, close
 
 What it does, in this order:
 
@@ -25,15 +25,16 @@ What it does, in this order:
 
 The grace period is `--drain-timeout-s` / TESSERA_DRAIN_TIMEOUT_S (see
 `flags.add_common_flags`). A service whose requests ride on long-lived streams (the
-engine's Session) drains them itself before `stop`: closing the server alone would
-let those streams carry new requests until the grace runs out.
+engine's Session, the tokenizer's streams) passes its own `drain` to `stop`, run once
+health is NOT_SERVING and before the server closes: closing the server alone would let
+those streams carry new requests until the grace runs out.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from typing import Awaitable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 
@@ -111,10 +112,13 @@ class GrpcServer:
     async def wait_for_stop(self) -> None:
         await self.stop_requested.wait()
 
-    async def stop(self, *alongside: Awaitable) -> None:
-        """NOT_SERVING, then drain open calls for `grace_s` (with `alongside`), then close metrics."""
+    async def stop(self, *alongside: Awaitable, drain: Callable[[], Awaitable] | None = None) -> None:
+        """NOT_SERVING, then the service's own `drain` (requests on its long-lived streams), then
+        open calls get `grace_s` (with `alongside`), then metrics close."""
         self.log.info("shutting down", extra={"grace_s": self.grace_s})
         await self.health.set(False)
+        if drain is not None:
+            await drain()
         await asyncio.gather(self.server.stop(self.grace_s), *alongside)
         if self.metrics_server is not None:
             self.metrics_server.close()

@@ -118,11 +118,3 @@ def channel(target: str, tls: ClientTls | None, options: list, server_name: str 
     if server_name:
         options = [*options, ("grpc.ssl_target_name_override", server_name)]
     return grpc.aio.secure_channel(target, tls.grpc_credentials(), options=options)
-
-
-def host_of(address: str) -> str:
-    """The host part of `host:port` / `[v6]:port`."""
-    address = address.removeprefix("dns:///")
-    if address.startswith("["):
-        return address[1:].partition("]")[0]
-    return address.rpartition(":")[0] if address.count(":") == 1 else address

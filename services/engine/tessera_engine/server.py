@@ -41,6 +41,7 @@ from tessera.common.grpc_service import Health
 from tessera.common.heap import freeze_startup_heap
 from tessera.common.logs import client_request_id, setup_logging
 from tessera.common.metrics import add_metrics_flag
+from tessera.common.samples import OpenSamples
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tessera_engine import fault_injection
 from tessera_engine.config import EngineConfig
@@ -112,8 +113,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._session_ids = itertools.count()
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
-        # (session, request id) -> samples not finished, of the requests accepted; drain waits for it to empty
-        self._in_flight: dict[tuple[str, str], int] = {}
+        # the requests accepted, by (session, request id): the drain waits for none left
+        self._in_flight: OpenSamples[tuple[str, str]] = OpenSamples()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -209,21 +210,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def _note_finished(self, client_id: str, request_id: str, whole_request: bool) -> None:
         """One sample finished (an error ends the whole request)."""
-        key = (client_id, request_id)
-        left = self._in_flight.get(key)
-        if left is None:
-            return
-        if whole_request or left <= 1:
-            del self._in_flight[key]
-            if not self._in_flight:
-                self._idle.set()
-        else:
-            self._in_flight[key] = left - 1
+        if self._in_flight.finish((client_id, request_id), whole_request) and not self._in_flight:
+            self._idle.set()
 
     async def drain(self, timeout_s: float) -> None:
-        """NOT_SERVING, refuse new requests, wait up to `timeout_s` for those in flight, end every session."""
+        """Refuse new requests, wait up to `timeout_s` for those in flight, end every session
+        (GrpcServer.stop runs it once health is NOT_SERVING)."""
         self.draining = True
-        await self.health.set(False)
         log.info("draining", extra={"in_flight": len(self._in_flight), "sessions": len(self.sessions),
                                     "drain_timeout_s": timeout_s})
         started = time.monotonic()
@@ -301,7 +294,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self.metrics.record_finished(out)  # the request's one log line
             q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)]))
             return
-        self._in_flight[(client_id, pb.request_id)] = req.sampling_params.n
+        self._in_flight.add((client_id, pb.request_id), req.sampling_params.n)
         self._idle.clear()
         log.debug("request added", extra={"request_id": client_request_id(pb.request_id),
                                           "engine_request_id": pb.request_id,
@@ -406,9 +399,8 @@ async def serve(args: argparse.Namespace) -> int:
     load.cancel()
     if servicer.watcher:
         servicer.watcher.cancel()  # the loop's end at shutdown is no crash
-    if servicer.loop_runner is not None and servicer.failure is None:
-        await servicer.drain(args.drain_timeout_s)
-    await grpc_server.stop()
+    running = servicer.loop_runner is not None and servicer.failure is None
+    await grpc_server.stop(drain=(lambda: servicer.drain(args.drain_timeout_s)) if running else None)
     if servicer.loop_runner:
         servicer.loop_runner.stop()
     code = 1 if servicer.failure else 0

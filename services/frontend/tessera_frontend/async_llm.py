@@ -30,7 +30,7 @@ once defaults apply, and prompt + max_tokens within the model's length and the
 engines' KV cache; each is INVALID_ARGUMENT naming the field.
 
 Inside, the request runs under an engine request id "<request_id>-<random>": unique
-per attempt (a retry gets a new one) (two frontends, or a client reusing its id, never collide in the
+per attempt (two frontends, a client reusing its id, or a retry never collide in the
 engine), and still greppable by the client's id in every service's logs.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ import grpc
 
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend.engine_client import EngineCoreClient, NoReplicaError
-from tessera_frontend.output_processor import Failure, OutputProcessor, OutputProcessorOutput, RequestState
+from tessera_frontend.output_processor import (Failure, OutputProcessor, OutputProcessorOutput, RequestState,
+                                               merged_outputs)
 from tessera_frontend.tokenizer_client import TokenizeError, TokenizerClient
 
 log = logging.getLogger(__name__)
@@ -89,9 +90,7 @@ class GenerationOutput:
 
     def merged_with(self, later: "GenerationOutput") -> "GenerationOutput":
         """This output followed by `later` of the same choice, as one (the later one's status)."""
-        return dataclasses.replace(
-            later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
-            logprobs=self.logprobs + later.logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs)
+        return merged_outputs(self, later)
 
 
 class AsyncLLM:

@@ -32,16 +32,16 @@ import time
 from typing import Awaitable, Callable, Collection, Iterable, Sequence
 
 import grpc
-
-from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
-from tessera.common.tls import ClientTls, host_of
-from tessera.common.tls import channel as tls_channel
-from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tessera_frontend.discovery import (EngineEntry, Resolver, parse_engine_addrs, resolve_entries,
-                                        system_resolve)
 from grpc_health.v1 import health_pb2
 
-from tessera_frontend.grpc_util import drain, health_status, is_serving
+from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
+from tessera.common.samples import OpenSamples
+from tessera.common.tls import ClientTls
+from tessera.common.tls import channel as tls_channel
+from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tessera_frontend.discovery import (EngineEntry, Resolver, parse_engine_addr, parse_engine_addrs,
+                                        resolve_entries, system_resolve)
+from tessera_frontend.grpc_util import StreamStalled, drain, health_status, is_serving, watched
 from tessera_frontend.router import Router
 
 log = logging.getLogger(__name__)
@@ -83,16 +83,14 @@ class EngineReplica:
         self.entry = entry or addr  # the configured name it was resolved from
         self.stall_timeout_s = stall_timeout_s
         self.last_heard = 0.0  # time.monotonic() of its last step or health answer
-        self._stalled: str | None = None  # why the health watcher broke the session off
         # over TLS the certificate is checked against the configured name, not the pod's IP
-        self.channel = tls_channel(addr, tls, CLIENT_CHANNEL_OPTIONS, host_of(self.entry))
+        self.channel = tls_channel(addr, tls, CLIENT_CHANNEL_OPTIONS, parse_engine_addr(self.entry).host)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.info: engine_pb2.EngineInfo | None = None
         self.healthy = False
         self.retired = False  # its address left the resolved set: no new requests
         self.sessions_opened = 0
-        # request id -> samples not yet finished (n of them at submit)
-        self._in_flight: dict[str, int] = {}
+        self._in_flight: OpenSamples[str] = OpenSamples()  # by request id
         self._outbox: asyncio.Queue | None = None
 
     @property
@@ -116,12 +114,12 @@ class EngineReplica:
     def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False) -> None:
         if self._outbox is None:
             raise NoReplicaError(f"engine {self.addr} is not connected")
-        self._in_flight[request.request_id] = num_samples
+        self._in_flight.add(request.request_id, num_samples)
         self._outbox.put_nowait(engine_pb2.SessionInput(add=[request], more_coming=more_coming))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
-            self._in_flight.pop(request_id, None)
+            self._in_flight.discard(request_id)
         if self._outbox is not None and request_ids:
             self._outbox.put_nowait(engine_pb2.SessionInput(
                 abort=engine_pb2.AbortRequests(request_ids=request_ids)))
@@ -133,19 +131,9 @@ class EngineReplica:
 
     def _note_finished(self, step: engine_pb2.EngineStepOutputs) -> list[str]:
         """Count finished samples; return the request ids that are now complete."""
-        done = []
-        for output in step.outputs:
-            if output.finish_reason == _RUNNING or output.request_id not in self._in_flight:
-                continue
-            left = self._in_flight[output.request_id] - 1
-            # An error ends the whole request whatever n is. An abort ends one sample (an
-            # abort of the whole request sends one per sample still running).
-            if left <= 0 or output.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                del self._in_flight[output.request_id]
-                done.append(output.request_id)
-            else:
-                self._in_flight[output.request_id] = left
-        return done
+        return [output.request_id for output in step.outputs
+                if output.finish_reason != _RUNNING
+                and self._in_flight.finish(output.request_id, output.finish_reason == common_pb2.FINISH_REASON_ERROR)]
 
     async def run(self, on_step: StepHandler, on_lost: LostHandler,
                   on_done: Callable[[Iterable[str]], None],
@@ -162,7 +150,7 @@ class EngineReplica:
             except Exception as exc:  # a bug in step handling: fail this session's requests, go on
                 log.exception("engine session handler failed", extra={"engine": self.addr})
                 reason = f"internal error: {exc!r}"
-            lost, self._in_flight = list(self._in_flight), {}
+            lost = self._in_flight.clear()
             log.warning("engine session closed; reconnecting",
                         extra={"engine": self.addr, "reason": reason, "lost_requests": len(lost)})
             if lost:
@@ -177,48 +165,41 @@ class EngineReplica:
         self.healthy = True
         self.sessions_opened += 1
         on_session_open(self)
-        self._stalled = None
         self.last_heard = time.monotonic()
-        health = asyncio.create_task(self._watch_health(call), name=f"engine-health-{self.addr}")
         log.info("engine session open", extra={"engine": self.addr, "engine_entry": self.entry,
                                                 "max_model_len": self.info.max_model_len})
         try:
-            async for step in call:
+            async for step in watched(call, self._check_health, HEALTH_CHECK_INTERVAL_S):
                 self.last_heard = time.monotonic()
                 on_done(self._note_finished(step))
                 await on_step(step)
             return "the engine closed the session"
-        except asyncio.CancelledError:
-            if self._stalled is None or asyncio.current_task().cancelling():
-                raise  # the client is closing
-            return self._stalled  # the health watcher cancelled the call
+        except StreamStalled as exc:
+            return str(exc)
         finally:
-            health.cancel()
             self._outbox = None
             self.healthy = False
             outbox.put_nowait(None)
             call.cancel()
 
-    async def _watch_health(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Keep `healthy` in step with the engine's grpc.health.v1 answer while the session is
-        open; break the session off once the engine has stopped answering (see the module doc)."""
-        while True:
-            await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
-            status = await health_status(self.channel, timeout=HEALTH_CHECK_TIMEOUT_S)
-            now = time.monotonic()
-            if status is not None:
-                self.last_heard = now
-            elif self._in_flight and now - self.last_heard > self.stall_timeout_s:
-                self._stalled = f"engine {self.addr} stopped answering (nothing for {self.stall_timeout_s:g} s)"
-                log.error("engine stopped answering; breaking its session off",
-                          extra={"engine": self.addr, "in_flight": len(self._in_flight),
-                                 "timeout_s": self.stall_timeout_s})
-                call.cancel()
-                return
-            serving = status == health_pb2.HealthCheckResponse.SERVING
-            if serving != self.healthy:
-                log.warning("engine health changed", extra={"engine": self.addr, "serving": serving})
-                self.healthy = serving
+    async def _check_health(self) -> str | None:
+        """While the session is open: keep `healthy` in step with the engine's grpc.health.v1
+        answer; say why to break the session off once the engine has stopped answering (see
+        the module doc)."""
+        status = await health_status(self.channel, timeout=HEALTH_CHECK_TIMEOUT_S)
+        now = time.monotonic()
+        if status is not None:
+            self.last_heard = now
+        elif self._in_flight and now - self.last_heard > self.stall_timeout_s:
+            log.error("engine stopped answering; breaking its session off",
+                      extra={"engine": self.addr, "in_flight": len(self._in_flight),
+                             "timeout_s": self.stall_timeout_s})
+            return f"engine {self.addr} stopped answering (nothing for {self.stall_timeout_s:g} s)"
+        serving = status == health_pb2.HealthCheckResponse.SERVING
+        if serving != self.healthy:
+            log.warning("engine health changed", extra={"engine": self.addr, "serving": serving})
+            self.healthy = serving
+        return None
 
     async def close(self) -> None:
         await self.channel.close()

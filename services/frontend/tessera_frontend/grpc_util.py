@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,6 +29,35 @@ async def health_status(channel: grpc.aio.Channel, timeout: float = 2.0) -> int 
 async def is_serving(channel: grpc.aio.Channel, timeout: float = 2.0) -> bool:
     """True when the service behind `channel` answers SERVING; False otherwise."""
     return await health_status(channel, timeout) == health_pb2.HealthCheckResponse.SERVING
+
+
+class StreamStalled(Exception):
+    """`watched` broke a stream off; str() says why."""
+
+
+async def watched(call, check: Callable[[], Awaitable[str | None]], interval_s: float) -> AsyncIterator:
+    """The responses of the streaming `call` while `check()`, awaited every `interval_s`,
+    returns None. Once it returns a reason the call is cancelled and StreamStalled(reason) is
+    raised: for a peer that hangs with its connection open, which gRPC itself never notices."""
+    reason: str | None = None
+
+    async def watch() -> None:
+        nonlocal reason
+        while reason is None:
+            await asyncio.sleep(interval_s)
+            reason = await check()
+        call.cancel()
+
+    watcher = asyncio.create_task(watch(), name="stream-watch")
+    try:
+        async for response in call:
+            yield response
+    except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        if reason is None or asyncio.current_task().cancelling():
+            raise  # not the watcher's doing (or the consumer itself is being cancelled)
+        raise StreamStalled(reason) from None
+    finally:
+        watcher.cancel()
 
 
 # Merged messages stay under this size, far below the channels' 64 MiB limit: a burst of

@@ -89,12 +89,17 @@ class SampleOutput:
         return self.finish_reason != RUNNING
 
     def merged_with(self, later: "SampleOutput") -> "SampleOutput":
-        """This output followed by `later` of the same sample, as one (the later one's status)."""
-        return dataclasses.replace(
-            later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
-            logprobs=self.logprobs + later.logprobs,
-            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens))
+        return merged_outputs(self, later, num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens))
+
+
+def merged_outputs(earlier, later, **fields):
+    """`earlier` followed by `later`, two outputs of one sample (SampleOutput, or AsyncLLM's
+    GenerationOutput), as one: the later one's status, the two texts, token ids and logprobs
+    joined, the prompt logprobs of whichever has them; `fields` set besides."""
+    return dataclasses.replace(
+        later, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
+        logprobs=earlier.logprobs + later.logprobs, prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
+        **fields)
 
 
 class OutputCollector:

@@ -37,10 +37,11 @@ from typing import Iterable, Sequence
 import grpc
 
 from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
-from tessera.common.tls import ClientTls, host_of
+from tessera.common.tls import ClientTls
 from tessera.common.tls import channel as tls_channel
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tessera_frontend.grpc_util import drain, is_serving, status_code
+from tessera_frontend.discovery import parse_engine_addr
+from tessera_frontend.grpc_util import StreamStalled, drain, is_serving, status_code, watched
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class TokenizerClient:
     def __init__(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, tls: ClientTls | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
-        self.channel = tls_channel(addr, tls, CLIENT_CHANNEL_OPTIONS, host_of(addr))
+        # over TLS the certificate is checked against the address's host name
+        server_name = parse_engine_addr(addr).host if tls is not None else None
+        self.channel = tls_channel(addr, tls, CLIENT_CHANNEL_OPTIONS, server_name)
         self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
         self.stream = DetokenizeStream(self.stub, self.wait_serving, timeout_s)
         self.tokenize_stream = TokenizeStream(self.stub, self.wait_serving, timeout_s)
@@ -162,7 +165,6 @@ class _TokenizerStream:
         self.reply_timeout_s = reply_timeout_s
         self._outbox: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
-        self._stalled: str | None = None  # why the reply watchdog broke the current stream off
         # Bumped each time a new stream opens: requests opened on an older one are lost.
         self.generation = 0
         self.on_open: list = []  # callables run each time a new stream is open (and generation bumped)
@@ -196,17 +198,15 @@ class _TokenizerStream:
         """time.monotonic() when the oldest message still waiting for its answer was sent."""
         raise NotImplementedError
 
-    async def _watch_replies(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Break the stream off once its oldest message has waited past reply_timeout_s."""
-        while True:
-            await asyncio.sleep(min(1.0, self.reply_timeout_s / 4))
-            sent = self._oldest_unanswered()
-            if sent is not None and time.monotonic() - sent > self.reply_timeout_s:
-                self._stalled = f"the tokenizer did not answer within {self.reply_timeout_s:g} s"
-                log.error(f"{self.name} stream: no answer; breaking it off", extra={
-                    "reason": self._stalled, "timeout_s": self.reply_timeout_s})
-                call.cancel()
-                return
+    async def _check_replies(self) -> str | None:
+        """Why to break the stream off: its oldest message has waited past reply_timeout_s."""
+        sent = self._oldest_unanswered()
+        if sent is None or time.monotonic() - sent <= self.reply_timeout_s:
+            return None
+        reason = f"the tokenizer did not answer within {self.reply_timeout_s:g} s"
+        log.error(f"{self.name} stream: no answer; breaking it off", extra={
+            "reason": reason, "timeout_s": self.reply_timeout_s})
+        return reason
 
     async def _run(self) -> None:
         """Keep one stream open: (re)connect whenever the tokenizer is SERVING."""
@@ -226,28 +226,21 @@ class _TokenizerStream:
         for listener in self.on_open:
             listener()
         reason = f"the tokenizer closed the {self.name} stream"
-        self._stalled = None
-        watchdog = asyncio.create_task(self._watch_replies(call), name=f"{self.name}-replies")
         try:
-            async for response in call:
+            async for response in watched(call, self._check_replies, min(1.0, self.reply_timeout_s / 4)):
                 self._on_response(response)
-        except asyncio.CancelledError:
-            if self._stalled is None or asyncio.current_task().cancelling():
-                raise  # the client is closing
-            reason = self._stalled  # the watchdog cancelled the call
+        except StreamStalled as exc:
+            reason = str(exc)
         except grpc.aio.AioRpcError as exc:
             reason = f"{self.name} stream failed: {exc.code().name}: {exc.details()}"
         except Exception as exc:  # a bug must not end the reconnect loop
             log.exception(f"{self.name} stream reader failed")
             reason = f"internal error: {exc!r}"
         finally:
-            watchdog.cancel()
             self._outbox = None
             outbox.put_nowait(None)
             call.cancel()
             self._fail_waiting(reason)
-        if self._stalled is not None:
-            reason = self._stalled
         return reason
 
 
@@ -312,8 +305,8 @@ class TokenizeStream(_TokenizerStream):
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready,
                  reply_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(stub, wait_ready, reply_timeout_s)
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._sent_at: dict[int, float] = {}  # in send order: the first is the oldest
+        # item id -> (its future, when it was sent); in send order, so the first is the oldest
+        self._waiting: dict[int, tuple[asyncio.Future, float]] = {}
         self._ids = itertools.count(1)
 
     def submit(self, request: tokenizer_pb2.TokenizeRequest, request_id: str) -> asyncio.Future:
@@ -328,14 +321,8 @@ class TokenizeStream(_TokenizerStream):
                                 f"to the tokenizer")
         item_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._waiting[item_id] = future
-        self._sent_at[item_id] = time.monotonic()
-
-        def forget(_: asyncio.Future) -> None:  # answered, failed, or the caller gave up
-            self._waiting.pop(item_id, None)
-            self._sent_at.pop(item_id, None)
-
-        future.add_done_callback(forget)
+        self._waiting[item_id] = (future, time.monotonic())
+        future.add_done_callback(lambda f: self._waiting.pop(item_id, None))  # also when the caller gives up
         self._outbox.put_nowait(tokenizer_pb2.TokenizeStreamRequest(
             items=[tokenizer_pb2.TokenizeItem(id=item_id, request_id=request_id, request=request)]))
         return future
@@ -345,16 +332,16 @@ class TokenizeStream(_TokenizerStream):
 
     def _on_response(self, response: tokenizer_pb2.TokenizeStreamResponse) -> None:
         for result in response.results:
-            future = self._waiting.pop(result.id, None)
+            future, _ = self._waiting.pop(result.id, (None, 0.0))
             if future is not None and not future.done():
                 future.set_result(result)
 
     def _fail_waiting(self, reason: str) -> None:
         error = TokenizeStreamError(reason)
-        waiting, self._waiting, self._sent_at = self._waiting, {}, {}
-        for future in waiting.values():
+        waiting, self._waiting = self._waiting, {}
+        for future, _ in waiting.values():
             if not future.done():
                 future.set_exception(error)
 
     def _oldest_unanswered(self) -> float | None:
-        return next(iter(self._sent_at.values()), None)
+        return next((sent for _, sent in self._waiting.values()), None)

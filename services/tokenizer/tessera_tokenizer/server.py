@@ -398,9 +398,10 @@ async def serve(args: argparse.Namespace) -> int:
     stop_wait.cancel()
     loading.cancel()
 
-    await grpc_server.health.set(False)
-    servicer.draining.set()  # the streams end; unary calls in flight get the drain timeout
-    await grpc_server.stop()
+    async def drain() -> None:  # the streams end; unary calls in flight get the drain timeout
+        servicer.draining.set()
+
+    await grpc_server.stop(drain=drain)
     log.info("stopped")
     return code
 

@@ -132,3 +132,23 @@ def test_internal_services_refuse_clients_without_the_client_certificate(tls_sta
                 _health(plain)
         with grpc.secure_channel(service.addr, service.credentials) as channel:
             assert _health(channel) == SERVING
+
+
+def test_wrong_tls_flags_are_usage_errors_naming_the_flag(tmp_path):
+    import subprocess
+    import sys
+    pem = tmp_path / "x.pem"
+    pem.write_text("not a real certificate")
+    cases = [
+        ("tessera_engine", ["--tls-cert-file", str(pem)], "--tls-cert-file and --tls-key-file go together"),
+        ("tessera_tokenizer", ["--tls-client-ca-file", str(pem)], "--tls-client-ca-file needs --tls-cert-file"),
+        ("tessera_frontend", ["--tls-cert-file", str(tmp_path / "missing.pem"), "--tls-key-file", str(pem)],
+         "--tls-cert-file: cannot read"),
+        ("tessera_frontend", ["--backend-tls-cert-file", str(pem), "--backend-tls-key-file", str(pem)],
+         "--backend-tls-cert-file needs --backend-tls-ca-file"),
+        ("tessera_frontend", ["--tokenizer-timeout-s", "0"], "--tokenizer-timeout-s: expected seconds > 0"),
+        ("tessera_frontend", ["--engine-timeout-s", "-1"], "--engine-timeout-s: expected seconds > 0"),
+    ]
+    for module, flags, message in cases:
+        done = subprocess.run([sys.executable, "-m", module, *flags], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr, (module, flags, done.stderr[-500:])

@@ -23,6 +23,7 @@ $(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/g
 	$(PY) protos/generate.py
 	$(PIP) install -q --no-deps -e common -e services/tokenizer -e services/engine -e services/frontend
 	$(PY) -m tessera_engine.cpu_kernels
+	$(PY) -m tessera_engine.allocator fetch || true
 	touch $(STAMP)
 
 protos: install

@@ -43,7 +43,7 @@ from tessera.common.logs import client_request_id, setup_logging
 from tessera.common.metrics import add_metrics_flag
 from tessera.common.samples import OpenSamples
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tessera_engine import fault_injection
+from tessera_engine import allocator, fault_injection
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore, EngineCoreLoop, RequestRejected
 from tessera_engine.metrics import EngineMetrics
@@ -355,9 +355,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--gguf-dequantize", "TESSERA_GGUF_DEQUANTIZE", False, type=bool,
              help="GGUF: dequantize every weight at load (default: Q4_0 / Q4_1 / Q8_0 weights stay as the file "
                   "has them and the CPU kernels' quantized matmul runs small batches on them)")
+    add_flag(p, "--allocator", allocator.ENV, "auto", choices=list(allocator.CHOICES),
+             help="memory allocator: tcmalloc when found (auto), tcmalloc (required) or system (glibc); "
+                  "the engine re-executes itself once to preload it")
     add_metrics_flag(p, "engine")
     args = p.parse_args(argv)
     tls.check_flags(p, args)
+    problem = allocator.check(args.allocator)
+    if problem:
+        p.error(problem)
     try:  # a bad setting is a usage error (exit 2, the flag's message), not a traceback at start
         config_from_args(args).validate()
     except ValueError as exc:
@@ -384,6 +390,7 @@ async def serve(args: argparse.Namespace) -> int:
     that fails to load leaves the engine up and NOT_SERVING (logged)."""
     config = config_from_args(args)
     config.validate()
+    log.info("memory allocator", extra=allocator.in_use())
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
     servicer = EngineServicer(config, grpc_server.health, grpc_server.request_stop)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)

@@ -50,6 +50,7 @@ from tessera_engine.metrics import EngineMetrics
 from tessera_engine.outputs import EngineCoreOutput, EngineStats, IterationStats, TokenLogprobs
 from tessera_engine.request import EngineCoreRequest, SampleKey
 from tessera_engine.sampling_params import SamplingParams
+from tessera_engine.session_outbox import SessionOutbox
 
 log = logging.getLogger("tessera.engine")
 
@@ -109,7 +110,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.loop_runner: EngineCoreLoop | None = None
         self.metrics: EngineMetrics | None = None
         self.watcher: asyncio.Task | None = None
-        self.sessions: dict[str, asyncio.Queue] = {}
+        self.sessions: dict[str, SessionOutbox] = {}
         self._session_ids = itertools.count()
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
@@ -151,7 +152,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                   extra={"error": self.failure, "sessions": len(self.sessions), "exit_in_s": EXIT_AFTER_FAILURE_S})
         await self.health.set(False)
         for q in self.sessions.values():
-            q.put_nowait(_LOOP_DIED)
+            q.put_control(_LOOP_DIED)
         await asyncio.sleep(EXIT_AFTER_FAILURE_S)
         log.error("exiting so that the engine is restarted", extra={"exit_code": 1})
         self.request_stop()
@@ -206,7 +207,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         for client_id, outs in by_client.items():
             q = self.sessions.get(client_id)
             if q is not None:
-                q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(o) for o in outs]))
+                q.put_step(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(o) for o in outs]))
 
     def _note_finished(self, client_id: str, request_id: str, whole_request: bool) -> None:
         """One sample finished (an error ends the whole request)."""
@@ -228,7 +229,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         else:
             log.info("drained", extra={"seconds": round(time.monotonic() - started, 3)})
         for q in self.sessions.values():
-            q.put_nowait(_DRAINED)
+            q.put_control(_DRAINED)
 
     def _ready(self, context) -> bool:
         return self.loop_runner is not None and self.loop_runner.alive() and self.failure is None
@@ -239,7 +240,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
         client_id = f"s{next(self._session_ids)}"
-        q: asyncio.Queue = asyncio.Queue()
+        q = SessionOutbox()
         self.sessions[client_id] = q
         log.info("session opened", extra={"session": client_id, "peer": context.peer()})
 
@@ -257,7 +258,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         reader = asyncio.create_task(read_inputs())
         # The reader's end (the client closed its side, or it failed) is one more item on the
         # queue, so the loop below waits on the queue alone: no task and no wait() per message.
-        reader.add_done_callback(lambda _: q.put_nowait(_INPUTS_ENDED))
+        reader.add_done_callback(lambda _: q.put_control(_INPUTS_ENDED))
         try:
             while True:
                 item = await q.get()
@@ -277,7 +278,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 self._note_finished(*key, whole_request=True)
             log.info("session closed", extra={"session": client_id})
 
-    def _submit(self, pb: engine_pb2.EngineRequest, client_id: str, q: asyncio.Queue) -> None:
+    def _submit(self, pb: engine_pb2.EngineRequest, client_id: str, q: SessionOutbox) -> None:
         req = EngineCoreRequest(
             request_id=pb.request_id, prompt_token_ids=list(pb.prompt_token_ids),
             sampling_params=SamplingParams.from_proto(pb.sampling_params), priority=pb.priority,
@@ -292,7 +293,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         except RequestRejected as exc:
             out = exc.output(req)
             self.metrics.record_finished(out)  # the request's one log line
-            q.put_nowait(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)]))
+            q.put_step(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)]))
             return
         self._in_flight.add((client_id, pb.request_id), req.sampling_params.n)
         self._idle.clear()

@@ -43,6 +43,7 @@ from typing import Iterable, Optional
 
 import grpc
 
+from tessera.common.request_outputs import merged_request_outputs
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend.grpc_util import status_code
 from tessera_frontend.tokenizer_client import DetokenizeStreamError, TokenizerClient
@@ -328,7 +329,7 @@ class OutputProcessor:
                 continue
             outputs = [o for _, o in sorted(sample.stranded, key=lambda x: x[0])]
             sample.stranded = []
-            merged = _merged_outputs(outputs)
+            merged = merged_request_outputs(outputs)
             item = tokenizer_pb2.DetokenizeItem(request_id=sample.key, new_token_ids=merged.new_token_ids,
                                                 finished=merged.finish_reason != RUNNING)
             item.open.CopyFrom(state.open)
@@ -531,22 +532,6 @@ class _PendingStep:
 
 
 _CHECK_STRANDED = object()  # on the pending queue: resume stranded samples, expire old ones
-
-
-def _merged_outputs(outputs: list[engine_pb2.RequestOutput]) -> engine_pb2.RequestOutput:
-    """One sample's consecutive step outputs as one (the last one's status)."""
-    merged = engine_pb2.RequestOutput()
-    merged.CopyFrom(outputs[-1])
-    del merged.new_token_ids[:]
-    del merged.logprobs[:]
-    for o in outputs:
-        merged.new_token_ids.extend(o.new_token_ids)
-        merged.logprobs.extend(o.logprobs)
-        merged.num_cached_tokens = max(merged.num_cached_tokens, o.num_cached_tokens)
-    first_prompt = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
-    if first_prompt is not None and not merged.prompt_logprobs:
-        merged.prompt_logprobs.extend(first_prompt)
-    return merged
 
 
 def _fill_token_texts(logprobs: Iterable[common_pb2.PositionLogprobs], texts: dict[int, str]) -> None:

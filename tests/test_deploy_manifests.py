@@ -368,6 +368,8 @@ def test_overlay_shape(overlay, kubectl):
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     engine_svc = by[("Service", "tessera-engine")]
     assert engine_svc["spec"]["clusterIP"] == "None", "the engine Service must be headless"
+    tokenizer_svc = by[("Service", "tessera-tokenizer")]
+    assert tokenizer_svc["spec"]["clusterIP"] == "None", "the tokenizer Service must be headless (replicas)"
     containers = {c.kind: c for c in k8s_containers(docs)}
     host, _, port = containers["frontend"].env["TESSERA_ENGINE_ADDRS"].partition(":")
     assert host.split(".")[0] == "tessera-engine" and ("," not in port), "one DNS name for all engines"

@@ -41,38 +41,40 @@ def format_addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def parse_engine_addr(text: str) -> EngineEntry:
-    """`host:port`, `[v6]:port`, `host` or `dns:///host:port` -> EngineEntry (ValueError if malformed)."""
+def parse_engine_addr(text: str, default_port: int = DEFAULT_ENGINE_PORT, what: str = "engine") -> EngineEntry:
+    """`host:port`, `[v6]:port`, `host` or `dns:///host:port` -> EngineEntry (ValueError if malformed).
+    (The tokenizer's addresses are written the same way, with its own default port.)"""
     raw = text.strip()
     spec = raw.removeprefix("dns:///")
     if not spec:
-        raise ValueError(f"engine address {text!r} is empty")
+        raise ValueError(f"{what} address {text!r} is empty")
     if spec.startswith("["):
         host, sep, rest = spec[1:].partition("]")
         if not sep or (rest and not rest.startswith(":")):
-            raise ValueError(f"engine address {text!r}: expected [ipv6]:port")
+            raise ValueError(f"{what} address {text!r}: expected [ipv6]:port")
         port_text = rest[1:]
     elif spec.count(":") > 1:  # a bare IPv6 literal without a port
         host, port_text = spec, ""
     else:
         host, _, port_text = spec.partition(":")
     if not host:
-        raise ValueError(f"engine address {text!r} has no host")
+        raise ValueError(f"{what} address {text!r} has no host")
     try:
-        port = int(port_text) if port_text else DEFAULT_ENGINE_PORT
+        port = int(port_text) if port_text else default_port
     except ValueError:
-        raise ValueError(f"engine address {text!r}: port {port_text!r} is not a number") from None
+        raise ValueError(f"{what} address {text!r}: port {port_text!r} is not a number") from None
     if not 0 < port < 65536:
-        raise ValueError(f"engine address {text!r}: port {port} is out of range")
+        raise ValueError(f"{what} address {text!r}: port {port} is out of range")
     return EngineEntry(host, port)
 
 
-def parse_engine_addrs(value: str | Iterable[str]) -> list[EngineEntry]:
+def parse_engine_addrs(value: str | Iterable[str], default_port: int = DEFAULT_ENGINE_PORT,
+                       what: str = "engine") -> list[EngineEntry]:
     """A comma-separated list (or a list of strings) of entries; at least one."""
     parts = value.split(",") if isinstance(value, str) else list(value)
-    entries = [parse_engine_addr(p) for p in parts if p.strip()]
+    entries = [parse_engine_addr(p, default_port, what) for p in parts if p.strip()]
     if not entries:
-        raise ValueError("no engine address given")
+        raise ValueError(f"no {what} address given")
     return list(dict.fromkeys(entries))
 
 

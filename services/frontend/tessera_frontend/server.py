@@ -39,7 +39,8 @@ from tessera_frontend.grpc_api import FrontendServicer
 from tessera_frontend.http_server import HttpServer
 from tessera_frontend.openai_api import create_app
 from tessera_frontend.router import DEFAULT_MAX_IMBALANCE, Router
-from tessera_frontend.tokenizer_client import DEFAULT_TIMEOUT_S as DEFAULT_TOKENIZER_TIMEOUT_S, TokenizerClient
+from tessera_frontend.tokenizer_client import DEFAULT_TIMEOUT_S as DEFAULT_TOKENIZER_TIMEOUT_S
+from tessera_frontend.tokenizer_client import DEFAULT_TOKENIZER_PORT, TokenizerClient
 from tessera_frontend.validation import Limits
 
 log = logging.getLogger("tessera_frontend")
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "exempt), gRPC the same 'authorization' metadata (UNAUTHENTICATED otherwise; health exempt). "
                   "Empty: no authentication", secret=True)
     add_flag(parser, "--tokenizer-addr", "TESSERA_TOKENIZER_ADDR", "localhost:50052",
-             help="tokenizer service address")
+             help="tokenizer replicas: host:port, comma-separated; a DNS name resolving to several addresses is "
+                  "one replica each. One replica carries the streams, the others stand by; when it goes, the "
+                  "requests in flight resume on the next one serving")
     tls.add_client_tls_flags(parser)
     add_flag(parser, "--tokenizer-timeout-s", "TESSERA_TOKENIZER_TIMEOUT_S", DEFAULT_TOKENIZER_TIMEOUT_S,
              type=_positive_seconds,
@@ -183,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         parse_engine_addrs(args.engine_addrs)
     except ValueError as exc:
         parser.error(f"--engine-addrs: {exc}")
+    try:
+        parse_engine_addrs(args.tokenizer_addr, DEFAULT_TOKENIZER_PORT, "tokenizer")
+    except ValueError as exc:
+        parser.error(f"--tokenizer-addr: {exc}")
     tls.check_flags(parser, args)
     for flag in ("max_inflight_requests", "max_n", "engine_resolve_interval", "stream_interval"):
         if getattr(args, flag) <= 0:

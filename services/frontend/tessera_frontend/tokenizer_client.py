@@ -4,7 +4,13 @@ Three parts:
 
 * `TokenizerClient`: tokenize() (on the tokenize stream), the unary calls
   (GetModelInfo, Detokenize), a readiness probe, and a cache of single-token texts
-  (to fill TokenLogprob.token).
+  (to fill TokenLogprob.token). It holds a channel to every tokenizer replica
+  (`--tokenizer-addr`: one address or several, comma-separated; a DNS name resolving to
+  several addresses is one replica each, as for engines); one replica at a time, the
+  active one, carries the streams and the calls, the others stand by. When the active
+  replica's streams break (a crash, a drain, a rollout), they reopen on the first
+  replica answering SERVING, and the requests in flight resume there (see
+  OutputProcessor): the same path as a restart of a lone tokenizer.
 * `TokenizeStream`: the ONE long-lived TokenizeStream call for every request's
   prompt: no call set-up per request, and the prompts of a burst of requests
   travel as one message. Items carry ids; replies resolve them by id.
@@ -29,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import grpc
 
@@ -40,13 +47,15 @@ from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
 from tessera.common.tls import ClientTls
 from tessera.common.tls import channel as tls_channel
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tessera_frontend.discovery import parse_engine_addr
+from tessera_frontend.discovery import EngineEntry, Resolver, parse_engine_addrs, resolve_entries, system_resolve
 from tessera_frontend.grpc_util import StreamStalled, drain, is_serving, status_code, watched
 
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAY_S = 0.5
 DEFAULT_TIMEOUT_S = 30.0  # --tokenizer-timeout-s: the longest any wait on the tokenizer may take
+DEFAULT_TOKENIZER_PORT = 50052
+RESOLVE_INTERVAL_S = 10.0  # how often the replicas' names are resolved again (at once when none serves)
 
 
 # One prompt on the shared tokenize stream (the channel carries 64 MiB a message).
@@ -70,20 +79,88 @@ class TokenizeError(Exception):
         self.message = message
 
 
-class TokenizerClient:
-    """The tokenizer service at `addr`: the shared tokenize and detokenize streams, unary calls."""
+@dataclasses.dataclass
+class _Replica:
+    addr: str  # the resolved address
+    channel: grpc.aio.Channel
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub
 
-    def __init__(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, tls: ClientTls | None = None) -> None:
+
+class TokenizerClient:
+    """The tokenizer service at `addr` (one or several replicas, see the module doc): the
+    shared tokenize and detokenize streams, unary calls."""
+
+    def __init__(self, addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, tls: ClientTls | None = None,
+                 resolver: Resolver = system_resolve) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
-        # over TLS the certificate is checked against the address's host name
-        server_name = parse_engine_addr(addr).host if tls is not None else None
-        self.channel = tls_channel(addr, tls, CLIENT_CHANNEL_OPTIONS, server_name)
-        self.stub = tokenizer_pb2_grpc.TokenizerServiceStub(self.channel)
-        self.stream = DetokenizeStream(self.stub, self.wait_serving, timeout_s)
-        self.tokenize_stream = TokenizeStream(self.stub, self.wait_serving, timeout_s)
+        self.entries = parse_engine_addrs(addr, DEFAULT_TOKENIZER_PORT, "tokenizer")
+        self._tls = tls
+        self._resolver = resolver
+        self._resolved: dict[EngineEntry, list[str]] = {}
+        self._resolved_at = -float("inf")
+        self._replicas: dict[str, _Replica] = {}
+        self._choosing = asyncio.Lock()
+        # Until the first resolution, the first entry as written (gRPC resolves a name itself).
+        self.active = self._replica(str(self.entries[0]), self.entries[0])
+        self.stream = DetokenizeStream(lambda: self.stub, self.wait_serving, timeout_s)
+        self.tokenize_stream = TokenizeStream(lambda: self.stub, self.wait_serving, timeout_s)
         self.model_info: tokenizer_pb2.ModelInfo | None = None
         self._token_text: dict[int, str] = {}
+
+    @property
+    def stub(self) -> tokenizer_pb2_grpc.TokenizerServiceStub:
+        return self.active.stub
+
+    def _replica(self, addr: str, entry: EngineEntry) -> _Replica:
+        replica = self._replicas.get(addr)
+        if replica is None:
+            # over TLS the certificate is checked against the configured host name
+            server_name = entry.host if self._tls is not None else None
+            channel = tls_channel(addr, self._tls, CLIENT_CHANNEL_OPTIONS, server_name)
+            replica = self._replicas[addr] = _Replica(addr, channel, tokenizer_pb2_grpc.TokenizerServiceStub(channel))
+        return replica
+
+    async def _refresh(self, force: bool) -> None:
+        """Resolve the entries again (at most every RESOLVE_INTERVAL_S unless `force`): a
+        replica for each new address, none for an address that left the answer (the active
+        one included: its streams break and reopen on another). Nothing resolved: as it was."""
+        if not force and time.monotonic() - self._resolved_at < RESOLVE_INTERVAL_S:
+            return
+        self._resolved_at = time.monotonic()
+        self._resolved = await resolve_entries(self.entries, self._resolver, self._resolved)
+        wanted = {addr: entry for entry, addrs in self._resolved.items() for addr in addrs}
+        if not wanted:
+            return
+        for addr, entry in wanted.items():
+            self._replica(addr, entry)
+        for addr in [a for a in self._replicas if a not in wanted]:
+            gone = self._replicas.pop(addr)
+            if gone is self.active:
+                self.active = self._replicas[next(iter(wanted))]
+            await gone.channel.close()
+
+    async def _choose(self) -> bool:
+        """Make the first replica answering SERVING the active one, the active one first (a
+        replica keeps the streams while it serves); False when none answers."""
+        async with self._choosing:  # both streams and the readiness watch ask at once
+            return await self._choose_now()
+
+    async def _choose_now(self) -> bool:
+        await self._refresh(force=False)
+        for attempt in (1, 2):
+            replicas = list(self._replicas.values())
+            start = replicas.index(self.active)
+            for replica in replicas[start:] + replicas[:start]:
+                if await is_serving(replica.channel):
+                    if replica is not self.active:
+                        log.info("tokenizer replica active", extra={"tokenizer": replica.addr,
+                                                                    "previous": self.active.addr})
+                        self.active = replica
+                    return True
+            if attempt == 1:
+                await self._refresh(force=True)  # none answers: the names may point elsewhere now
+        return False
 
     def start(self) -> None:
         """Open the two streams (each waits for SERVING and reconnects by itself)."""
@@ -95,11 +172,12 @@ class TokenizerClient:
         return self.stream.connected and self.tokenize_stream.connected
 
     async def is_serving(self) -> bool:
-        return await is_serving(self.channel)
+        """Whether a replica answers SERVING (the active one, else another, which becomes active)."""
+        return await self._choose()
 
     async def wait_serving(self, poll_s: float = 0.5) -> None:
-        """Return once the tokenizer answers SERVING (it may still be loading its model)."""
-        while not await self.is_serving():
+        """Return once a replica answers SERVING (it may still be loading its model); it is the active one."""
+        while not await self._choose():
             await asyncio.sleep(poll_s)
 
     async def fetch_model_info(self) -> tokenizer_pb2.ModelInfo:
@@ -148,7 +226,8 @@ class TokenizerClient:
     async def close(self) -> None:
         await self.stream.close()
         await self.tokenize_stream.close()
-        await self.channel.close()
+        for replica in self._replicas.values():
+            await replica.channel.close()
 
 
 class _TokenizerStream:
@@ -158,9 +237,9 @@ class _TokenizerStream:
 
     name = ""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready,
+    def __init__(self, stub: Callable[[], tokenizer_pb2_grpc.TokenizerServiceStub], wait_ready,
                  reply_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._stub = stub
+        self._stub = stub  # the active replica's stub, asked for each time a stream opens
         self._wait_ready = wait_ready
         self.reply_timeout_s = reply_timeout_s
         self._outbox: asyncio.Queue | None = None
@@ -249,7 +328,7 @@ class DetokenizeStream(_TokenizerStream):
 
     name = "detokenize"
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready,
+    def __init__(self, stub: Callable[[], tokenizer_pb2_grpc.TokenizerServiceStub], wait_ready,
                  reply_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(stub, wait_ready, reply_timeout_s)
         self._pending: collections.deque[tuple[asyncio.Future, float]] = collections.deque()
@@ -272,7 +351,7 @@ class DetokenizeStream(_TokenizerStream):
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # result is not needed
 
     def _open(self, outbox: asyncio.Queue) -> grpc.aio.StreamStreamCall:
-        return self._stub.DetokenizeStream(drain(outbox))
+        return self._stub().DetokenizeStream(drain(outbox))
 
     def _on_open(self) -> None:
         self._pending = collections.deque()
@@ -302,7 +381,7 @@ class TokenizeStream(_TokenizerStream):
 
     name = "tokenize"
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerServiceStub, wait_ready,
+    def __init__(self, stub: Callable[[], tokenizer_pb2_grpc.TokenizerServiceStub], wait_ready,
                  reply_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(stub, wait_ready, reply_timeout_s)
         # item id -> (its future, when it was sent); in send order, so the first is the oldest
@@ -328,7 +407,7 @@ class TokenizeStream(_TokenizerStream):
         return future
 
     def _open(self, outbox: asyncio.Queue) -> grpc.aio.StreamStreamCall:
-        return self._stub.TokenizeStream(drain(outbox, merge=lambda first, later: first.items.extend(later.items)))
+        return self._stub().TokenizeStream(drain(outbox, merge=lambda first, later: first.items.extend(later.items)))
 
     def _on_response(self, response: tokenizer_pb2.TokenizeStreamResponse) -> None:
         for result in response.results:

@@ -1,0 +1,56 @@
+"""A frontend holding two tokenizer replicas (`--tokenizer-addr A,B`): the active one going
+away (a crash, then a drain) fails no request in flight, whose text continues on the other
+with no repeated or missing character; new requests are served by the survivor. Both
+tokenizers and the frontend are processes of their own, in front of the shared stack's engine."""
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from metrics_util import json_lines
+from stack import STARTUP_TIMEOUT_S, Service, all_serving, free_port, frontend_service, stack  # noqa: F401
+from test_tokenizer_restart import MAX_TOKENS, _texts
+from tessera.v1 import frontend_pb2_grpc
+
+
+@pytest.fixture()
+def two_tokenizers_and_frontend(stack):
+    a, b = (Service(f"tokenizer-{name}", "tessera_tokenizer", free_port(), [], stack.log_dir / f"tokenizer-{name}.log")
+            for name in ("rep-a", "rep-b"))
+    frontend = frontend_service("frontend-reps", f"{a.addr},{b.addr}", stack.engine.addr, stack.log_dir)
+    with all_serving(a, b, frontend):
+        yield a, b, frontend
+
+
+def _active_changes(frontend) -> list[str]:
+    return [e["tokenizer"] for e in json_lines(frontend.log_path) if e.get("msg") == "tokenizer replica active"]
+
+
+def test_requests_move_to_the_other_tokenizer_replica(two_tokenizers_and_frontend):
+    a, b, frontend = two_tokenizers_and_frontend
+    with grpc.insecure_channel(frontend.addr) as channel:
+        stub = frontend_pb2_grpc.FrontendServiceStub(channel)
+        undisturbed = _texts(stub)
+        assert all(tokens == MAX_TOKENS and text for text, tokens in undisturbed)
+        assert _active_changes(frontend) == []  # the first replica listed carries the streams
+
+        # the active replica crashes mid-run: the requests finish on B, text intact
+        assert _texts(stub, a.kill) == undisturbed
+        assert _active_changes(frontend) == [b.addr]
+        resumed = [e for e in json_lines(frontend.log_path) if e.get("msg") == "request resumed on a new detokenize stream"]
+        assert resumed, "no request was resumed: the crash did not happen mid-run"
+        assert _texts(stub) == undisturbed  # new requests: B alone
+
+        # A back, B drained (SIGTERM): the requests move back to A
+        a.start()
+        a.wait_serving(time.monotonic() + STARTUP_TIMEOUT_S)
+
+        def drain_b() -> None:
+            b.process.send_signal(signal.SIGTERM)
+            assert b.process.wait(15) == 0, b.log_tail()
+
+        assert _texts(stub, drain_b) == undisturbed
+        assert _active_changes(frontend) == [b.addr, a.addr]

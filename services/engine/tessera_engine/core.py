@@ -27,6 +27,8 @@ from tessera_engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
+MAX_FAILED_STEPS_IN_A_ROW = 3  # a step failing this many times running ends the core loop
+
 
 class RequestRejected(Exception):
     """A request the engine refuses; code is a grpc.StatusCode name."""
@@ -59,6 +61,7 @@ class EngineCore:
         log.info("scheduler ready", extra={"token_budget": self.scheduler.token_budget,
                                            "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
         self.step_count = 0
+        self.failed_steps_in_a_row = 0
 
     # -- intake ----------------------------------------------------------------
     def check_request(self, req: EngineCoreRequest) -> None:
@@ -139,8 +142,21 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.empty:
             return EngineCoreOutputs([])
-        result = self.executor.execute_model(sched)
-        outs, num_prompt_tokens = self.scheduler.update_from_output(sched, result)
+        try:
+            result = self.executor.execute_model(sched)
+            outs, num_prompt_tokens = self.scheduler.update_from_output(sched, result)
+            self.failed_steps_in_a_row = 0
+        except Exception as exc:
+            # The step's requests fail, not the engine; a fault that repeats (the model or
+            # the device is broken) ends the loop, and the service exits to be restarted.
+            self.failed_steps_in_a_row += 1
+            if self.failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise
+            log.exception("engine step failed; its requests fail", extra={
+                "requests": len(sched.scheduled), "failed_steps_in_a_row": self.failed_steps_in_a_row})
+            error = RequestError("INTERNAL", f"the engine step running this request failed: {exc!r}")
+            outs = self.scheduler.fail([s.request for s in sched.scheduled], error)
+            num_prompt_tokens = 0
         self.step_count += 1
         return EngineCoreOutputs(outs, IterationStats(
             self.step_count, time.perf_counter() - started, sched.num_batched_tokens, num_prompt_tokens,

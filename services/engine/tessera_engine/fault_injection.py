@@ -2,8 +2,10 @@
 
 With TESSERA_ENGINE_FAULT_AFTER_STEPS=N in its environment, the engine service's core
 raises instead of running step N+1 (the health tests kill the core loop that way); with
-TESSERA_ENGINE_HANG_AFTER_STEPS=N step N+1 never returns (the watchdog's test):
-`arm_from_env` wraps one EngineCore's run_step from outside.
+TESSERA_ENGINE_HANG_AFTER_STEPS=N step N+1 never returns (the watchdog's test); with
+TESSERA_ENGINE_STEP_ERROR_AFTER_STEPS=N the model run of step N+1 raises once, inside the
+step (its requests fail, the engine goes on): `arm_from_env` wraps one EngineCore's
+run_step, or its executor's execute_model, from outside.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ log = logging.getLogger(__name__)
 
 FAULT_ENV = "TESSERA_ENGINE_FAULT_AFTER_STEPS"
 HANG_ENV = "TESSERA_ENGINE_HANG_AFTER_STEPS"
+STEP_ERROR_ENV = "TESSERA_ENGINE_STEP_ERROR_AFTER_STEPS"
 
 
 def arm_from_env(core) -> None:
@@ -25,6 +28,25 @@ def arm_from_env(core) -> None:
     raw = os.environ.get(HANG_ENV, "").strip()
     if raw:
         arm_hang(core, int(raw))
+    raw = os.environ.get(STEP_ERROR_ENV, "").strip()
+    if raw:
+        arm_step_error(core, int(raw))
+
+
+def arm_step_error(core, after_steps: int) -> None:
+    """The model run of step after_steps + 1 raises, once."""
+    execute_model = core.executor.execute_model
+    fired = False
+
+    def execute_model_with_error(sched):
+        nonlocal fired
+        if not fired and core.step_count >= after_steps:
+            fired = True
+            raise RuntimeError(f"injected step error after {core.step_count} steps ({STEP_ERROR_ENV})")
+        return execute_model(sched)
+
+    core.executor.execute_model = execute_model_with_error
+    log.warning("fault injection armed: step %d will raise", after_steps + 1, extra={"env": STEP_ERROR_ENV})
 
 
 def arm(core, after_steps: int) -> None:

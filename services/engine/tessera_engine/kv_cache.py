@@ -188,6 +188,16 @@ class KVCacheManager:
                 block.block_hash = h
                 self.cached[h] = block.block_id
 
+    def forget_free_blocks(self) -> None:
+        """Unpublish every free block's hash: after a failed step, blocks published for it
+        (see _register_full_blocks) may never have been written, and must not be reused."""
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+
     def free(self, req: Request) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first)."""
         blocks = self.req_blocks.pop(req.key, None)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from tessera_engine.config import EngineConfig
 from tessera_engine.kv_cache import KVCacheManager
-from tessera_engine.outputs import EngineCoreOutput, RequestTiming
+from tessera_engine.outputs import EngineCoreOutput, RequestError, RequestTiming
 from tessera_engine.request import Request, RequestStatus, SampleKey
 
 if TYPE_CHECKING:
@@ -109,6 +109,19 @@ class Scheduler:
             if req is not None:
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 outs.append(make_output(req, []))
+        return outs
+
+    def fail(self, reqs: list[Request], error: RequestError) -> list[EngineCoreOutput]:
+        """End these requests with `error` (the step that ran them failed): one output each,
+        their blocks freed, and no block published for that step reused (its K/V may be unwritten)."""
+        outs = []
+        for req in reqs:
+            if self.requests.get(req.key) is req:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                out = make_output(req, [])
+                out.finish_reason, out.error = "error", error
+                outs.append(out)
+        self.kv.forget_free_blocks()
         return outs
 
     # -- scheduling --------------------------------------------------------------

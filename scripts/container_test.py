@@ -306,6 +306,11 @@ def main() -> int:
         if "fused CPU kernels loaded" not in engine_log or chosen is None:
             raise RuntimeError("the engine container did not load its prebuilt CPU kernels:\n" + engine_log[-3000:])
         log(f"engine: fused CPU kernels loaded (prebuilt in the image; variant {chosen.group(1)} for this CPU)")
+        # ... and runs on the tcmalloc the image installs (tessera_engine.allocator)
+        allocator = re.search(r'"msg": "memory allocator", "allocator": "(\w+)", "why": "([^"]*)"', engine_log)
+        if allocator is None or allocator.group(1) != "tcmalloc":
+            raise RuntimeError("the engine container does not run on tcmalloc:\n" + engine_log[-3000:])
+        log(f"engine: memory allocator tcmalloc ({allocator.group(2)})")
         stats = run(["docker", "stats", "--no-stream", "--format", "{{.Name}} cpu {{.CPUPerc}} mem {{.MemUsage}}"],
                     env=env, capture=True, quiet=True, check=False).stdout
         log("containers:\n" + stats.strip())

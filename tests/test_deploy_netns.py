@@ -30,7 +30,7 @@ import time
 import grpc
 import pytest
 
-from stack import STARTUP_TIMEOUT_S, Service
+from stack import Service, all_serving
 from test_deploy_manifests import compose_bin, compose_config, compose_containers, console_script_module  # noqa: F401
 from tessera.common.grpc_service import CHANNEL_OPTIONS
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
@@ -157,57 +157,51 @@ def test_services_as_separate_hosts(hosts, compose_bin):  # noqa: F811 (the fixt
     logs = lambda: "\n".join(f"--- {s.name} ---\n{s.log_tail()}" for s in services)  # noqa: E731
     frontend = services[-1]
     try:
-        for service in services:
-            service.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for service in services:
-            service.wait_serving(deadline)
-        text, finish = generate(frontend.addr, timeout=120)
-        assert text.strip() and finish != common_pb2.FINISH_REASON_UNSPECIFIED, logs()
+        with all_serving(*services):  # stopped in reverse order on the way out
+            text, finish = generate(frontend.addr, timeout=120)
+            assert text.strip() and finish != common_pb2.FINISH_REASON_UNSPECIFIED, logs()
 
-        # The engine's host drops off the network: no RST, no FIN, packets just vanish.
-        hosts.set_link("engine", up=False)
-        # (a) a request sent at once, before the frontend can know: it must not hang.
-        start = time.monotonic()
-        try:
-            generate(frontend.addr, timeout=UNAVAILABLE_WITHIN_S + 5)
-            racing = None
-        except grpc.RpcError as exc:
-            racing = (exc.code(), exc.details(), time.monotonic() - start)
-        # (b) a request once the frontend's health check has had its few seconds: a clear
-        # UNAVAILABLE that names the engine, quickly.
-        time.sleep(max(0.0, 6.0 - (time.monotonic() - start)))
-        start = time.monotonic()
-        with pytest.raises(grpc.RpcError) as failure:
-            generate(frontend.addr, timeout=60)
-        elapsed = time.monotonic() - start
-        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, \
-            f"{failure.value.code()}: {failure.value.details()} after {elapsed:.1f}s\n{logs()}"
-        assert elapsed < UNAVAILABLE_WITHIN_S, f"UNAVAILABLE only after {elapsed:.1f}s"
-        assert "engine" in (failure.value.details() or "").lower(), failure.value.details()
-
-        # Back on the network: served again.
-        hosts.set_link("engine", up=True)
-        deadline = time.monotonic() + 60
-        while True:
+            # The engine's host drops off the network: no RST, no FIN, packets just vanish.
+            hosts.set_link("engine", up=False)
+            # (a) a request sent at once, before the frontend can know: it must not hang.
+            start = time.monotonic()
             try:
-                text, finish = generate(frontend.addr, timeout=30)
-                break
+                generate(frontend.addr, timeout=UNAVAILABLE_WITHIN_S + 5)
+                racing = None
             except grpc.RpcError as exc:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"not served after the link came back: {exc.code()} {exc.details()}\n{logs()}")
-                time.sleep(1)
-        assert text.strip()
-        assert racing is not None, "a request sent over the dead link succeeded?"
-        code, details, seconds = racing
-        # A request already sent over the dead link must fail too, not wait out its deadline:
-        # the frontend's engine channel needs keepalive pings to notice a silent link.
-        assert code == grpc.StatusCode.UNAVAILABLE and seconds < UNAVAILABLE_WITHIN_S, \
-            f"request sent as the link died: {code} {details} after {seconds:.1f}s"
+                racing = (exc.code(), exc.details(), time.monotonic() - start)
+            # (b) a request once the frontend's health check has had its few seconds: a clear
+            # UNAVAILABLE that names the engine, quickly.
+            time.sleep(max(0.0, 6.0 - (time.monotonic() - start)))
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as failure:
+                generate(frontend.addr, timeout=60)
+            elapsed = time.monotonic() - start
+            assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, \
+                f"{failure.value.code()}: {failure.value.details()} after {elapsed:.1f}s\n{logs()}"
+            assert elapsed < UNAVAILABLE_WITHIN_S, f"UNAVAILABLE only after {elapsed:.1f}s"
+            assert "engine" in (failure.value.details() or "").lower(), failure.value.details()
+
+            # Back on the network: served again.
+            hosts.set_link("engine", up=True)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    text, finish = generate(frontend.addr, timeout=30)
+                    break
+                except grpc.RpcError as exc:
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"not served after the link came back: {exc.code()} {exc.details()}\n{logs()}")
+                    time.sleep(1)
+            assert text.strip()
+            assert racing is not None, "a request sent over the dead link succeeded?"
+            code, details, seconds = racing
+            # A request already sent over the dead link must fail too, not wait out its deadline:
+            # the frontend's engine channel needs keepalive pings to notice a silent link.
+            assert code == grpc.StatusCode.UNAVAILABLE and seconds < UNAVAILABLE_WITHIN_S, \
+                f"request sent as the link died: {code} {details} after {seconds:.1f}s"
     except BaseException:
         print(logs())
         raise
     finally:
-        for service in reversed(services):
-            service.stop()
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -90,3 +90,11 @@ def test_engine_process_on_glibc_when_asked():
         assert not _maps_have_tcmalloc(engine.process.pid)
         line = _allocator_log(engine)
         assert line["allocator"] == "system" and line["why"] == "system: set by --allocator"
+
+
+def test_an_unknown_allocator_is_a_usage_error_naming_the_flag():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "tessera_engine", "--allocator", "jemalloc"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "argument --allocator: invalid choice: 'jemalloc'" in done.stderr, done.stderr[-500:]

@@ -56,3 +56,12 @@ def test_requests_move_to_the_other_tokenizer_replica(two_tokenizers_and_fronten
 
         assert _texts(stub, drain_second) == undisturbed
         assert _active_changes(frontend)[len(before):] == [second.addr, first.addr]
+
+
+def test_a_malformed_tokenizer_address_is_a_usage_error_naming_the_flag():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "tessera_frontend", "--tokenizer-addr", "127.0.0.1:50052,tok:port"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-500:]
+    assert "--tokenizer-addr: tokenizer address 'tok:port': port 'port' is not a number" in done.stderr

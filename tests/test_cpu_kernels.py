@@ -312,3 +312,106 @@ def test_variants_without_a_directory_is_a_usage_error():
         done = subprocess.run([sys.executable, "-m", "tessera_engine.cpu_kernels", *argv],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 1 and "--variants needs the directory to build into" in done.stderr, done
+
+
+def _brgemm_packing(kernels):
+    from tessera_engine.models.packed_linear import BrgemmPacking
+
+    packing = BrgemmPacking.checked(kernels)
+    if packing is None:
+        pytest.skip("oneDNN's bf16 brgemm micro-kernel does not run on this CPU")
+    return packing
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 65, 200])
+@pytest.mark.parametrize("n,k,bias", [(100, 96, True), (576, 576, False), (130, 1536, True)])
+def test_linear_bf16_is_the_float32_product_rounded_once(rows, n, k, bias, kernels):
+    """The float32 product (+ bias) rounded to bfloat16 once: almost every element equal to
+    it, the rest where the float32 sums, taken in another order, round the other way; for
+    row counts within one tile, over one and several tiles, and column counts short of a
+    whole block."""
+    _brgemm_packing(kernels)
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    got = kernels.linear_bf16(x, kernels.pack_bf16_weight(w), n, b)
+    exact = F.linear(x.float(), w.float(), b.float() if bias else None)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    assert (got == exact.bfloat16()).float().mean() > 0.98
+    # one bfloat16 rounding, plus float32 summation-order slack where terms cancel
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-4 * k)
+
+
+def test_linear_bf16_reads_rows_of_a_wider_tensor(kernels):
+    """x may be a column slice of a wider tensor (rows further apart than K), as a fused
+    projection's output is sliced; zero rows give an empty result."""
+    _brgemm_packing(kernels)
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(9, 200, generator=gen).bfloat16()
+    x = wide[:, 40:136]
+    w = torch.randn(70, 96, generator=gen).bfloat16()
+    packed = kernels.pack_bf16_weight(w)
+    assert torch.equal(kernels.linear_bf16(x, packed, 70), kernels.linear_bf16(x.contiguous(), packed, 70))
+    assert kernels.linear_bf16(x[:0], packed, 70).shape == (0, 70)
+
+
+def test_linear_bf16_refuses_bad_input(kernels):
+    w = torch.zeros(64, 96, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="K must be even"):
+        kernels.pack_bf16_weight(torch.zeros(8, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="W must be bfloat16"):
+        kernels.pack_bf16_weight(torch.zeros(8, 4))
+    packed = kernels.pack_bf16_weight(w)
+    with pytest.raises(RuntimeError, match="x has K=32, the packed weight 96"):
+        kernels.linear_bf16(torch.zeros(2, 32, dtype=torch.bfloat16), packed, 64)
+    with pytest.raises(RuntimeError, match="N=65 does not fit the packed weight"):
+        kernels.linear_bf16(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 65)
+    with pytest.raises(RuntimeError, match="bias must have N elements"):
+        kernels.linear_bf16(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 64, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        kernels.linear_bf16(torch.zeros(2, 96), packed, 64)
+
+
+def test_bf16_engine_packs_its_weights_once_for_the_brgemm_matmul():
+    """On a CPU where the micro-kernel runs, a bfloat16 engine's linear layers are packed for
+    it and hold no other dense copy; the greedy tokens equal those of oneDNN's own matmul on
+    a tiny model (whose logits have no near-ties at this size)."""
+    from tessera_engine.models.llama import Linear
+    from tessera_engine.models.packed_linear import ONEDNN, BrgemmPacking
+
+    from tessera_engine.config import EngineConfig
+    from tessera_engine.core import EngineCore
+    from tessera_engine.request import EngineCoreRequest
+    from tessera_engine.sampling_params import SamplingParams
+
+    _brgemm_packing(K)
+    cfg, hf = tiny_hf_llama(hidden_size=128, intermediate_size=256, num_layers=2, max_len=256, seed=5)
+    prompts = [[int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (3, 40, 90)]
+
+    def run(core) -> list[list[int]]:
+        reqs = [EngineCoreRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        out = core.generate(reqs)
+        return [out[(f"r{i}", 0)] for i in range(len(prompts))]
+
+    def make():
+        return EngineCore(EngineConfig(model="tiny", dtype="bfloat16", num_kv_blocks=64, block_size=16),
+                          tiny_loaded(cfg, hf, dtype=torch.bfloat16))
+
+    core = make()
+    assert core.executor.runner.ops.dense_packing.name == "brgemm"
+    linears = [m for m in core.executor.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m._pw.frozen and m._pw.packing.name == "brgemm" and m.weight.numel() == 0
+                           for m in linears)
+    with_brgemm = run(core)
+    checked = BrgemmPacking.checked
+    try:
+        BrgemmPacking.checked = classmethod(lambda cls, kernels: None)
+        core = make()
+        assert core.executor.runner.ops.dense_packing is ONEDNN
+        with_onednn = run(core)
+    finally:
+        BrgemmPacking.checked = checked
+    assert with_brgemm == with_onednn

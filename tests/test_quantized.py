@@ -151,7 +151,7 @@ def test_gguf_dequantize_flag_and_env(monkeypatch):
     monkeypatch.setenv("TESSERA_GGUF_DEQUANTIZE", "1")
     assert config_from_args(parse_args([])).gguf_dequantize is True
     cfg = EngineConfig(device="cpu")
-    assert cfg.quantized_max_rows(torch.bfloat16) == 4 and cfg.quantized_max_rows(torch.float32) == 64
+    assert cfg.quantized_max_rows(torch.bfloat16) == 3 and cfg.quantized_max_rows(torch.float32) == 64
     assert EngineConfig(device="cpu", gguf_dequantize=True).quantized_max_rows(torch.bfloat16) == 0
 
 

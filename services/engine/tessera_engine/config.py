@@ -82,12 +82,13 @@ class EngineConfig:
     def quantized_max_rows(self, dtype: torch.dtype) -> int:
         """Batches up to this many rows run a layer with a quantized weight on the quantized
         matmul, larger ones on the dense weight (0: never). Crossovers measured here over all
-        of the default model's layers (2 cores, AVX512-BF16): bf16, 4.4 against 7.5 ms at 1 row,
-        even at 4, dense ahead from 8; float32, whose dense matmul is not prepacked, quantized
-        ahead up to 64 rows (99 against 116 ms)."""
+        of the default model's layers and its lm_head (2 cores, AVX512-BF16): bf16 against the
+        brgemm matmul, 4.5 against 6.8 ms at 1 row, 5.2 / 6.7 at 2, dense ahead from 4 (6.9 /
+        7.7); float32, whose dense matmul is not prepacked, quantized ahead up to 64 rows (99
+        against 116 ms)."""
         if self.gguf_dequantize or self.resolved_device().type != "cpu":
             return 0
-        return {torch.bfloat16: 4, torch.float32: 64}.get(dtype, 0)
+        return {torch.bfloat16: 3, torch.float32: 64}.get(dtype, 0)
 
     def validate(self) -> None:
         if self.block_size < 1:

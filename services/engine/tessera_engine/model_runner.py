@@ -77,7 +77,8 @@ class ModelRunner:
         self.attention, self.ops = select_backends(config, hf_config.num_key_value_heads, dtype, device)
         q_max_rows = config.quantized_max_rows(dtype)
         paths = model.use_backend(self.attention, self.ops, q_max_rows)
-        log.info("linear layers", extra={"paths": paths, "quantized_max_rows": q_max_rows if
+        dense = self.ops.dense_packing.name if dtype == torch.bfloat16 and device.type == "cpu" else "torch"
+        log.info("linear layers", extra={"paths": paths, "dense_matmul": dense, "quantized_max_rows": q_max_rows if
                                          set(paths) - {"dense"} else 0,
                                          "why": "--gguf-dequantize" if config.gguf_dequantize else
                                          "GGUF Q4_0/Q4_1/Q8_0 weights run quantized up to quantized_max_rows rows"})

@@ -11,9 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tessera_engine.models.packed_linear import ONEDNN, BrgemmPacking
+
 
 class TorchOps:
     name = "torch"
+    dense_packing = ONEDNN  # how bf16 CPU linear weights are packed and multiplied (models/packed_linear.py)
     qlinear = None     # (x [M, K], quantized weight bytes, ggml type, bias) -> [M, N]; None: dense only
     qembedding = None  # (ids [T], quantized table bytes, ggml type, K, dtype) -> [T, K]
 
@@ -46,6 +49,7 @@ class CpuKernelOps(TorchOps):
         self.kernels = kernels
         self.qlinear = kernels.qlinear
         self.qembedding = kernels.qembedding
+        self.dense_packing = BrgemmPacking.checked(kernels) or ONEDNN
 
     def rms_norm(self, x, weight, eps):
         if x.dtype != weight.dtype:

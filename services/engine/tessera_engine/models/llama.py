@@ -12,69 +12,12 @@ from torch import nn
 import torch.nn.functional as F
 
 from tessera_engine.attention import AttentionMetadata, PagedAttention, TorchAttention
+from tessera_engine.models.packed_linear import ONEDNN, PackedWeight
 from tessera_engine.models.quantized import QuantizedWeight
 from tessera_engine.models.rotary import RotaryEmbedding
 from tessera_engine.ops import TorchOps
 
 _TORCH_OPS = TorchOps()
-
-
-def _packed_linear_available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-_LINEAR = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
-
-
-class PackedWeight:
-    """A bf16 CPU weight reordered once into oneDNN's blocked layout.
-
-    F.linear on CPU bf16 goes through oneDNN too but reorders the weight on every
-    call; prepacking it gives the same results, faster (same idea as inductor's
-    weight prepacking). Repacked when the weight changes (its storage or version
-    counter), until `freeze` packs it for good so that its owner can free the plain
-    copy. The per-call path is kept to a few attribute checks: at batch 1 a step makes
-    ~120 of these calls.
-    """
-
-    def __init__(self) -> None:
-        self.packed = None
-        self.ptr = 0
-        self.version = -1
-        self.frozen = False
-
-    def _pack(self, weight: torch.Tensor) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
-        self.ptr, self.version = weight.data_ptr(), weight._version
-
-    def freeze(self, weight: torch.Tensor) -> bool:
-        """Pack `weight` now and never again; False (nothing done) where it cannot be packed."""
-        if not _packed_linear_available(weight):
-            return False
-        self._pack(weight)
-        self.frozen = True
-        return True
-
-    def _run(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dim() == 2:
-            return _LINEAR(x if x.is_contiguous() else x.contiguous(), self.packed, bias, "none", [], "")
-        shape = x.shape
-        out = _LINEAR(x.reshape(-1, shape[-1]).contiguous(), self.packed, bias, "none", [], "")
-        return out.view(*shape[:-1], out.shape[-1])
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.frozen:
-            return self._run(x, bias)
-        if (self.packed is not None and weight._version == self.version and x.dtype == weight.dtype
-                and weight.data_ptr() == self.ptr):
-            return self._run(x, bias)
-        if x.dtype != weight.dtype or not _packed_linear_available(weight):
-            return F.linear(x, weight, bias)
-        self._pack(weight)
-        return self._run(x, bias)
 
 
 class Linear(nn.Linear):
@@ -91,10 +34,12 @@ class Linear(nn.Linear):
         self.qlinear = None
         self.q_max_rows = 0
 
-    def pack_for_good(self) -> None:
-        """Pack the bf16 CPU weight now and free the plain copy, which nothing reads after
-        that: the layer then holds one dense copy of its weights (plus the file's quantized
-        one, where it has it), not two. Nothing happens where the weight cannot be packed."""
+    def pack_for_good(self, packing=ONEDNN) -> None:
+        """Pack the bf16 CPU weight now (models/packed_linear.py) and free the plain copy, which
+        nothing reads after that: the layer then holds one dense copy of its weights (plus the
+        file's quantized one, where it has it), not two. Nothing happens where the weight
+        cannot be packed."""
+        self._pw.use(packing)
         if self._pw.frozen or not self._pw.freeze(self.weight):
             return
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
@@ -232,13 +177,15 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight
         on_cpu = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
         qlinear = getattr(ops, "qlinear", None) if q_max_rows > 0 and on_cpu else None
+        packing = getattr(ops, "dense_packing", ONEDNN)
+        self._tied_pw.use(packing)
         for m in self.modules():
             if isinstance(m, (RMSNorm, LlamaMLP)):
                 m.ops = ops
             elif isinstance(m, LlamaAttention):
                 m.backend = attention
             elif isinstance(m, Linear):
-                m.pack_for_good()
+                m.pack_for_good(packing)
                 usable = qlinear is not None and m.qweight is not None
                 m.qlinear, m.q_max_rows = (qlinear, q_max_rows) if usable else (None, 0)
                 kind = m.qweight.type_name if usable else "dense"

@@ -24,6 +24,7 @@ from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, EngineS
                                     RequestError)
 from tessera_engine.request import EngineCoreRequest, Request, SampleKey
 from tessera_engine.scheduler import Scheduler
+from tessera_engine.structured_output import Constraint, StructuredOutputManager, hf_tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,15 @@ class EngineCore:
                                            "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
         self.step_count = 0
         self.failed_steps_in_a_row = 0
+        self.structured = StructuredOutputManager(self._model_tokenizer, self.vocab_size)
+        self._compiling: list[Request] = []  # samples whose output constraint is still compiling
+
+    def _model_tokenizer(self):
+        """The model's HF tokenizer, which output constraints are compiled against."""
+        from tessera.common.model_source import resolve_model
+
+        src = resolve_model(self.config.model)
+        return hf_tokenizer_of(str(src.directory), src.gguf_file)
 
     # -- intake ----------------------------------------------------------------
     def check_request(self, req: EngineCoreRequest) -> None:
@@ -84,7 +94,8 @@ class EngineCore:
         if p.n > self.config.max_num_seqs:
             raise RequestRejected("INVALID_ARGUMENT", f"n must be at most max_num_seqs ({self.config.max_num_seqs}), "
                                                       f"got {p.n}")
-        for name, ids in (("stop_token_ids", p.stop_token_ids), ("eos_token_ids", req.eos_token_ids or [])):
+        for name, ids in (("stop_token_ids", p.stop_token_ids), ("eos_token_ids", req.eos_token_ids or []),
+                          ("logit_bias", list(p.logit_bias))):
             bad = [t for t in ids if not 0 <= t < V]
             if bad:
                 raise RequestRejected("INVALID_ARGUMENT", f"{name}: {bad[0]} is outside the vocabulary [0, {V})")
@@ -116,8 +127,27 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         self.check_request(req)
         eos = req.eos_token_ids or self.default_eos
+        spec = req.sampling_params.structured
         for i in range(req.sampling_params.n):
-            self.scheduler.add_request(Request(req, i, eos))
+            sample = Request(req, i, eos)
+            if spec is not None:
+                sample.constraint = Constraint(self.structured, spec)
+                self._compiling.append(sample)
+            self.scheduler.add_request(sample)
+
+    def _check_compiled(self) -> list[EngineCoreOutput]:
+        """Fail the samples whose constraint did not compile; forget those compiled or gone."""
+        outs, still = [], []
+        for req in self._compiling:
+            if self.scheduler.requests.get(req.key) is not req:
+                continue  # finished or aborted meanwhile
+            error = req.constraint.error()
+            if error is not None:
+                outs += self.scheduler.fail([req], RequestError("INVALID_ARGUMENT", error))
+            elif not req.constraint.ready:
+                still.append(req)
+        self._compiling = still
+        return outs
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort every sample of these requests."""
@@ -139,9 +169,12 @@ class EngineCore:
     def run_step(self) -> EngineCoreOutputs:
         """schedule -> execute -> update_from_output; iteration is None when nothing was scheduled."""
         started = time.perf_counter()
+        failed = self._check_compiled() if self._compiling else []
         sched = self.scheduler.schedule()
         if sched.empty:
-            return EngineCoreOutputs([])
+            if self._compiling and not failed:  # only constraints compiling: wait for one, not spin
+                self.structured.wait_any([r.constraint for r in self._compiling], timeout_s=0.01)
+            return EngineCoreOutputs(failed)
         try:
             result = self.executor.execute_model(sched)
             outs, num_prompt_tokens = self.scheduler.update_from_output(sched, result)
@@ -158,6 +191,7 @@ class EngineCore:
             outs = self.scheduler.fail([s.request for s in sched.scheduled], error)
             num_prompt_tokens = 0
         self.step_count += 1
+        outs = failed + outs
         return EngineCoreOutputs(outs, IterationStats(
             self.step_count, time.perf_counter() - started, sched.num_batched_tokens, num_prompt_tokens,
             len(outs), len(sched.preempted)))

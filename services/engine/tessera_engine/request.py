@@ -62,6 +62,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
         self.generator: torch.Generator | None = None  # made by the sampler when seeded
+        self.constraint = None  # structured_output.Constraint, set by EngineCore.add_request
         self.prompt_logprobs_done = self.params.prompt_logprobs is None
         self.prompt_logprobs: list = []  # gathered over prefill chunks, sent with the first token
         # Timestamps (unix seconds) for the request metrics: queue = first scheduled - queued,

@@ -1,7 +1,9 @@
 """Batched sampling on the model's device, each row with its own parameters.
 
 Order per row: penalties (repetition on prompt + output, presence and
-frequency on output), min_tokens (stop tokens masked), then greedy argmax or
+frequency on output), logit_bias, the output constraint's mask (structured
+output: tokens it does not allow next are masked), min_tokens (stop tokens
+masked), then greedy argmax or
 temperature → top-k → top-p → min-p → a draw. Draws use the exponential-race
 trick (argmax of p / E, E ~ Exp(1)), where each seeded request draws E from its
 own generator, so its tokens do not depend on what else is in the batch.
@@ -16,6 +18,7 @@ import torch
 from tessera_engine.ops import TorchOps
 from tessera_engine.outputs import TokenLogprobs
 from tessera_engine.request import Request
+from tessera_engine.structured_output import unpack_bitmask
 
 
 @dataclasses.dataclass
@@ -70,9 +73,31 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+        for i, r in enumerate(reqs):
+            bias = r.params.logit_bias
+            if bias:
+                ids = torch.tensor(list(bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
+
+    @staticmethod
+    def _apply_constraints(logits: torch.Tensor, reqs: list[Request]) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        if not rows:
+            return
+        manager = reqs[rows[0]].constraint.manager
+        bitmask = manager.new_bitmask(len(rows))
+        for j, i in enumerate(rows):
+            reqs[i].constraint.fill_bitmask(bitmask, j, reqs[i].output_token_ids)
+        allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device)
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+    @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
+            # a constrained sample ends when its constraint is complete, not before
+            if r.num_output_tokens < r.params.min_tokens and r.constraint is None:
                 blocked = set(r.stop_token_ids)
                 if not r.params.ignore_eos:
                     blocked |= r.eos_token_ids
@@ -83,8 +108,8 @@ class Sampler:
     def _plain_greedy(r: Request) -> bool:
         """Greedy with nothing that changes or reads the logits (penalties, min_tokens, logprobs)."""
         p = r.params
-        return (p.greedy and not p.has_penalties and p.logprobs is None
-                and not (r.num_output_tokens < p.min_tokens))
+        return (p.greedy and not p.has_penalties and p.logprobs is None and r.constraint is None
+                and not p.logit_bias and not (r.num_output_tokens < p.min_tokens))
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits [B, V] for the rows that sample this step, reqs in the same order."""
@@ -94,6 +119,8 @@ class Sampler:
         raw = logits
         logits = logits.float().clone()
         self._apply_penalties(logits, reqs)
+        self._apply_logit_bias(logits, reqs)
+        self._apply_constraints(logits, reqs)
         self._apply_min_tokens(logits, reqs)
 
         greedy = [r.params.greedy for r in reqs]

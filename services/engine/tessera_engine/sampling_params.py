@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tessera.common.constraints import StructuredOutputSpec
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -22,6 +24,8 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutputSpec | None = None  # structured_output.py
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +66,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        for token, bias in self.logit_bias.items():
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
 
     @classmethod
     def from_proto(cls, pb) -> "SamplingParams":
@@ -76,4 +83,7 @@ class SamplingParams:
             p.top_k = pb.top_k if pb.top_k != 0 else -1
         p.stop_token_ids = list(pb.stop_token_ids)
         p.ignore_eos = pb.ignore_eos
+        if pb.HasField("structured_output"):
+            p.structured = StructuredOutputSpec.from_proto(pb.structured_output)
+        p.logit_bias = dict(pb.logit_bias)
         return p

@@ -94,6 +94,8 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks at once."""
         req.status = status
+        if req.constraint is not None:
+            req.constraint.drop()
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -137,6 +139,8 @@ class Scheduler:
         if not victim.prompt_logprobs_done:
             victim.prompt_logprobs = []  # the prompt is recomputed from the start
         victim.status = RequestStatus.PREEMPTED
+        if victim.constraint is not None:
+            victim.constraint.drop()  # rebuilt from its output when it runs again
         self._enqueue_waiting(victim, front=True)
         self.num_preemptions += 1
 
@@ -171,15 +175,20 @@ class Scheduler:
                 continue
             # req itself was preempted; running[i] is now the next request
 
-        # 2. waiting requests, unless this step already had to preempt
-        while (not preempted and self.waiting and budget > 0
+        # 2. waiting requests, unless this step already had to preempt; one whose output
+        # constraint is still compiling is passed over (the queue behind it goes on)
+        w = 0
+        while (not preempted and w < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[w]
+            if req.constraint is not None and not req.constraint.ready:
+                w += 1
+                continue
             cached_blocks, num_cached = self.kv.find_cached_prefix(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate(req, num_new, cached_blocks):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             self.kv.record_prefix_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -210,7 +219,10 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk short of the prompt's end
             req.append_output_token(token)
-            if req.check_stop(self.max_model_len):
+            done = req.check_stop(self.max_model_len)
+            if req.constraint is not None and req.constraint.accept(token) and not done:
+                req.status, done = RequestStatus.FINISHED_STOPPED, True  # the constraint is complete
+            if done:
                 self.finish(req, req.status)
             if req.first_token_time is None:
                 req.first_token_time = now

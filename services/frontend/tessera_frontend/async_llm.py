@@ -288,6 +288,9 @@ class AsyncLLM:
         bad = [t for t in params.stop_token_ids if vocab > 0 and t >= vocab]
         if bad:
             raise invalid(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias if vocab > 0 and t >= vocab]
+        if bad:
+            raise invalid(f"logit_bias: token {bad[0]} is outside the vocabulary [0, {vocab})")
         total = len(prompt_ids) + params.max_tokens
         limit = self.max_model_len
         if limit and total > limit:

@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+from tessera.common.constraints import ConstraintError, StructuredOutputSpec, check_constraint
 from tessera.v1 import common_pb2, frontend_pb2, tokenizer_pb2
 
 # The roles the tokenizer's chat template accepts (tessera_tokenizer.tokenizer.CHAT_ROLES).
@@ -33,6 +34,7 @@ class Limits:
     max_stop_chars: int = 1024          # length of one stop string
     max_stop_token_ids: int = 1024
     max_prompts: int = 64               # prompts in one OpenAI /v1/completions request
+    max_logit_bias: int = 1024          # tokens in one logit_bias map
     max_body_bytes: int = 8 << 20       # an HTTP request body (413 past it; 0: no cap)
 
 
@@ -120,3 +122,17 @@ def validate_sampling_params(p: common_pb2.SamplingParams, limits: Limits) -> No
                                                 f"(got {len(p.stop_token_ids)})")
     if any(t < 0 for t in p.stop_token_ids):
         raise ValidationError("stop_token_ids", "token ids must be >= 0")
+    if len(p.logit_bias) > limits.max_logit_bias:
+        raise ValidationError("logit_bias", f"at most {limits.max_logit_bias} tokens (got {len(p.logit_bias)})")
+    for token, bias in p.logit_bias.items():
+        if token < 0:
+            raise ValidationError("logit_bias", f"token ids must be >= 0 (got {token})")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise ValidationError("logit_bias", f"the bias of token {token} must be in [-100, 100] (got {bias})")
+    if p.HasField("structured_output"):
+        spec = StructuredOutputSpec.from_proto(p.structured_output)
+        if spec is not None:
+            try:
+                check_constraint(spec)
+            except ConstraintError as exc:
+                raise ValidationError("structured_output", str(exc)) from None

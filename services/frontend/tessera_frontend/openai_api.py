@@ -11,6 +11,10 @@ frontend ready (else 503 after AsyncLLM's short wait) and model known (else 404)
 prompt (a completions batch runs its prompts concurrently; choice index =
 prompt * n + sample).
 
+Chat with tools: tools and tool_choice are checked with the rest (`chat_tools`), the tools
+go to the chat template, a required or named tool_choice constrains the output, and the
+formatter parses the reply's tool calls out (`tool_calls`).
+
 The first output is awaited before the response starts, so failures found before
 generation (tokenizer or engine refusals) still get a proper status. Streams are
 server-sent events: one chunk per choice per engine step, a final usage chunk
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -45,9 +50,10 @@ from tessera_frontend.http_limits import BodyLimit, check_unicode
 from tessera_frontend.metrics import REQUESTS, RequestTracker, record_rejected
 from tessera_frontend.openai_formatters import (ChatFormatter, CompletionFormatter, Formatter, IndexedOutput,
                                                 Usage)
-from tessera_frontend.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_messages,
-                                              completion_prompts, openai_param, sampling_params,
-                                              validation_error_param)
+from tessera_frontend.openai_protocol import (ApiError, ChatCompletionRequest, CompletionRequest, best_of_extra,
+                                              chat_messages, chat_tools, completion_prompts, openai_param,
+                                              sampling_params, validation_error_param)
+from tessera_frontend.tokenize_api import add_tokenize_routes
 from tessera_frontend.validation import Limits, ValidationError, validate_request_id
 
 log = logging.getLogger(__name__)
@@ -125,6 +131,7 @@ def create_app(llm: AsyncLLM, limits: Limits, admission: AdmissionController,
     async def completions(body: CompletionRequest, request: Request):
         return await api.completions(body, request)
 
+    add_tokenize_routes(app, api)
     return app
 
 
@@ -166,11 +173,12 @@ class OpenAIApi:
             check_unicode(body)
             request_id = _request_id(body, request)
             tracker.set_request_id(request_id)
+            tools = chat_tools(body)
             messages = chat_messages(body)
-            params = sampling_params(body, self.limits)
+            params = sampling_params(body, self.limits, tools)
             model = await self.check_model(body.model)
             return await self._serve(request, body, request_id, model, [messages], params, default_max_tokens=None,
-                                     formatter=ChatFormatter(body, request_id, model), tracker=tracker)
+                                     formatter=ChatFormatter(body, request_id, model, tools), tracker=tracker)
 
     async def completions(self, body: CompletionRequest, request: Request):
         async with _tracked(RequestTracker("http")) as tracker:
@@ -181,12 +189,14 @@ class OpenAIApi:
             params = sampling_params(body, self.limits)
             model = await self.check_model(body.model)
             return await self._serve(request, body, request_id, model, prompts, params, default_max_tokens=16,
-                                     formatter=CompletionFormatter(body, request_id, model), tracker=tracker)
+                                     formatter=CompletionFormatter(body, request_id, model), tracker=tracker,
+                                     keep=(body.n or 1) if best_of_extra(body) else None)
 
     async def _serve(self, request: Request, body, request_id: str, model: str, prompts: Sequence[Prompt],
                      params: common_pb2.SamplingParams, default_max_tokens: int | None, formatter: Formatter,
-                     tracker: RequestTracker):
-        """Answer the request; `tracker` is finished here for a whole response, by the stream's close for a stream."""
+                     tracker: RequestTracker, keep: int | None = None):
+        """Answer the request; `tracker` is finished here for a whole response, by the stream's close for a stream.
+        keep: answer only this many of each prompt's samples, the best (best_of; not streamed)."""
         try:
             ticket = self.admission.admit(len(prompts))
         except Overloaded as exc:
@@ -216,6 +226,8 @@ class OpenAIApi:
             collected = await _unless_disconnected(request, _collect(outputs, body))
         finally:
             await _close(outputs, ticket)
+        if keep is not None:
+            collected, n = best_of_choices(collected, n, keep, strip_logprobs=body.logprobs is None), keep
         response = JSONResponse(formatter.response(collected, n * len(prompts)), headers=headers)
         tracker.finish(200)
         return response
@@ -281,6 +293,30 @@ async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def best_of_choices(collected: list[IndexedOutput], n: int, keep: int, strip_logprobs: bool) -> list[IndexedOutput]:
+    """best_of: of each prompt's n samples, the `keep` whose tokens have the highest summed
+    logprob (ties: the lower index), renumbered prompt * keep + rank; their logprobs dropped
+    where the client did not ask for them (they were asked of the engine to rank by)."""
+    score: dict[int, float] = {}
+    for item in collected:
+        score[item.index] = score.get(item.index, 0.0) + sum(p.chosen.logprob for p in item.output.logprobs)
+    new_index: dict[int, int] = {}
+    for prompt in sorted({i // n for i in score}):
+        ranked = sorted((i for i in score if i // n == prompt), key=lambda i: (-score[i], i))
+        for rank, i in enumerate(ranked[:keep]):
+            new_index[i] = prompt * keep + rank
+    out = []
+    for item in collected:
+        if item.index in new_index:
+            output = dataclasses.replace(item.output, logprobs=[]) if strip_logprobs else item.output
+            out.append(IndexedOutput(new_index[item.index], output))
+        elif item.output.usage is not None:  # the prompt's usage (all samples) rides on its last output
+            carrier = dataclasses.replace(item.output, text="", token_ids=[], logprobs=[], prompt_logprobs=None,
+                                          finish_reason=common_pb2.FINISH_REASON_UNSPECIFIED)
+            out.append(IndexedOutput((item.index // n) * keep, carrier))
+    return out
 
 
 async def _first_output(outputs: AsyncIterator[IndexedOutput], body) -> IndexedOutput:

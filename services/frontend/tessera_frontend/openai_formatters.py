@@ -6,6 +6,10 @@ response (`response`), the stream's chunks (`stream_start`, `stream_chunks`) and
 final usage chunk (`usage_chunk`). `ChatFormatter` and `CompletionFormatter` differ in
 the choice shape and the logprobs shape; finish reasons, vLLM's `stop_reason`, usage
 and prompt logprobs are common. Nothing here knows about HTTP (that is `openai_api`).
+
+With tools (a tool_choice other than none), `ChatFormatter` runs each choice's text through
+`tool_calls`' parser: calls go out as the message's tool_calls (streamed: delta.tool_calls),
+the rest as content, and a choice that stopped after making calls finishes "tool_calls".
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import NamedTuple
 
 from tessera.v1 import common_pb2
 from tessera_frontend.async_llm import GenerationOutput
+from tessera_frontend.tool_calls import ToolCall, ToolCallParser, ToolChoice, make_parser, parse_reply
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
@@ -63,12 +68,16 @@ class _Choice:
             self.finish = out
 
 
-def _finish_fields(out: GenerationOutput | None) -> dict:
-    """finish_reason, and vLLM's stop_reason: the stop string or stop token id that ended it."""
+def _finish_fields(out: GenerationOutput | None, called_tools: bool = False) -> dict:
+    """finish_reason, and vLLM's stop_reason: the stop string or stop token id that ended it.
+    A choice that made tool calls and stopped reads "tool_calls" (one cut short keeps "length")."""
     if out is None or not out.finished:
         return {"finish_reason": None, "stop_reason": None}
     stop_reason = out.stop_reason if out.stop_reason is not None else out.stop_token_id
-    return {"finish_reason": FINISH_REASONS.get(out.finish_reason, "stop"), "stop_reason": stop_reason}
+    reason = FINISH_REASONS.get(out.finish_reason, "stop")
+    if called_tools and reason == "stop":
+        reason = "tool_calls"
+    return {"finish_reason": reason, "stop_reason": stop_reason}
 
 
 def _logprob(value: float) -> float:
@@ -145,6 +154,11 @@ class ChatFormatter(Formatter):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, body, request_id: str, model: str, tools: ToolChoice | None = None) -> None:
+        super().__init__(body, request_id, model)
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        self._parsers: dict[int, ToolCallParser] = {}  # per streamed choice
+
     def _logprobs(self, positions: list[common_pb2.PositionLogprobs]) -> dict | None:
         if not self.body.logprobs:
             return None
@@ -157,8 +171,14 @@ class ChatFormatter(Formatter):
                             for p in positions]}
 
     def choice_json(self, index: int, choice: _Choice) -> dict:
-        out = {"index": index, "message": {"role": "assistant", "content": choice.text},
-               "logprobs": self._logprobs(choice.logprobs), **_finish_fields(choice.finish)}
+        message: dict = {"role": "assistant", "content": choice.text}
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            message["content"], calls = parse_reply(self.tools, choice.text)
+            if calls:
+                message["tool_calls"] = [call.as_json() for call in calls]
+        out = {"index": index, "message": message, "logprobs": self._logprobs(choice.logprobs),
+               **_finish_fields(choice.finish, bool(calls))}
         if self.body.prompt_logprobs is not None:
             out["prompt_logprobs"] = _prompt_logprobs_json(choice.prompt_logprobs)
         return out
@@ -169,11 +189,41 @@ class ChatFormatter(Formatter):
                              "finish_reason": None}) for i in range(num_choices)]
 
     def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+        if self.tools is not None:
+            return self._tool_stream_chunks(index, out)
         if not (out.text or out.finished or (self.body.logprobs and out.logprobs)):
             return []  # tokens whose text is still held back (a partial UTF-8 character)
         choice = {"index": index, "delta": {"content": out.text} if out.text or not out.finished else {},
                   "logprobs": self._logprobs(out.logprobs), **_finish_fields(out)}
         return [self._chunk(choice)]
+
+    def _tool_stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+        """A choice's chunks when tools are on: the content the parser lets out, then each call that
+        completed, as a delta of its own. A call is sent whole (id, name and all its arguments in one
+        delta.tool_calls entry) once its text is complete, rather than its arguments piece by piece:
+        OpenAI's clients accumulate either the same way, and a whole call is never taken back."""
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = make_parser(self.tools)
+        sent_before = parser.calls
+        events = parser.feed(out.text)
+        if out.finished:
+            events += parser.finish()
+        deltas: list[dict] = []
+        content = "".join(e for e in events if isinstance(e, str))
+        if content:
+            deltas.append({"content": content})
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        deltas += [{"tool_calls": [call.as_delta(sent_before + k)]} for k, call in enumerate(calls)]
+        if not deltas:
+            if not (out.finished or (self.body.logprobs and out.logprobs)):
+                return []  # held back: it may still be (the start of) a call
+            deltas.append({})
+        unfinished = _finish_fields(None)
+        return [self._chunk({"index": index, "delta": delta,
+                             "logprobs": self._logprobs(out.logprobs) if i == 0 else None,
+                             **(_finish_fields(out, parser.calls > 0) if i == len(deltas) - 1 else unfinished)})
+                for i, delta in enumerate(deltas)]
 
 
 class CompletionFormatter(Formatter):

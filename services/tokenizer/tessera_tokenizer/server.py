@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import logging
 import threading
 import time
@@ -239,16 +240,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 if m.role not in CHAT_ROLES:
                     raise InvalidInput(f"chat.messages[{i}].role: unknown role {m.role!r} "
                                        f"(allowed: {', '.join(CHAT_ROLES)})")
-            size = sum(len(m.content) for m in messages)
+            size = len(request.chat.tools_json) + sum(len(m.content) + len(m.tool_calls_json) for m in messages)
             if size > self.max_input_chars:
                 raise InvalidInput(f"chat.messages: {size} characters of content is over the limit of "
                                    f"{self.max_input_chars} (--max-input-chars)")
-            plain = [{"role": m.role, "content": m.content} for m in messages]
+            plain, tools = _chat_dicts(request.chat)
             generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
 
             def encode_chat():
                 try:
-                    return tokenizer.encode_chat(plain, generation_prompt, offsets)
+                    return tokenizer.encode_chat(plain, generation_prompt, offsets, tools)
                 except ValueError as exc:
                     raise InvalidInput(f"chat: {exc}") from exc
 
@@ -310,6 +311,30 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             has_chat_template=info.has_chat_template,
             special_tokens=info.special_tokens,
         )
+
+
+def _chat_dicts(chat: tokenizer_pb2.ChatMessages) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    """The messages as the chat template takes them (tool_calls and tool_call_id only where set),
+    and the tools; InvalidInput where the JSON fields are not JSON lists."""
+    def json_list(field: str, text: str) -> list[Any]:
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise InvalidInput(f"{field}: not valid JSON ({exc})") from None
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise InvalidInput(f"{field}: must be a JSON list of objects")
+        return value
+
+    messages = []
+    for i, m in enumerate(chat.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            message["tool_calls"] = json_list(f"chat.messages[{i}].tool_calls_json", m.tool_calls_json)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    tools = json_list("chat.tools_json", chat.tools_json) if chat.tools_json else None
+    return messages, tools
 
 
 def _tokenize_response(encoding: Encoding) -> tokenizer_pb2.TokenizeResponse:

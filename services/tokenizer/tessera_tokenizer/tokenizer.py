@@ -88,31 +88,40 @@ class Tokenizer:
             enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
         return Encoding(enc.ids, list(enc.offsets) if return_offsets else None, text)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for chat `messages` ({"role", "content"} dicts) per the model's template.
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text for chat `messages` per the model's template.
+
+        A message is {"role", "content"}, an assistant one may have OpenAI's "tool_calls" and a
+        tool one "tool_call_id"; `tools` is OpenAI's tools list. A template that does not mention
+        tools gets them in a system message, and one that does not render tool calls gets them
+        written into the assistant's content (`_tools_for_template`).
 
         Raises ValueError when the model has no chat template or the template rejects the messages.
         """
         if not self.info.has_chat_template:
             raise ValueError("the model has no chat template")
         try:
+            template = self.hf.get_chat_template(tools=list(tools) if tools else None)
+            conversation, tools = _tools_for_template(template, messages, tools)
             return self.hf.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, ...
             raise ValueError(f"chat template failed: {exc}") from exc
 
     def encode_chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         return_offsets: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Encoding:
-        """Render chat messages with the template, then tokenize the result.
+        """Render chat messages (and tools) with the template, then tokenize the result.
 
         The template writes any BOS itself, so no special tokens are added (as transformers does).
         """
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False, return_offsets=return_offsets)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -128,6 +137,72 @@ class Tokenizer:
             if not 0 <= token_id < size:
                 return token_id
         return None
+
+
+# Shows the tools to a model whose chat template does not mention them (OpenAI's tools list, one
+# tool a line), in our own words; the <tool_call> format asked for is the Hermes-style one the
+# frontend's parser reads.
+TOOLS_SYSTEM_PROMPT = """# Tools
+
+These functions are available to you. Each is described by one JSON line inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+
+To use a function, answer with its name and a JSON object of its arguments inside <tool_call></tool_call>, one block per call:
+<tool_call>
+{{"name": "<function name>", "arguments": {{<arguments>}}}}
+</tool_call>"""
+
+
+def _tools_for_template(template: str, messages: Sequence[Mapping[str, Any]],
+                        tools: Sequence[Mapping[str, Any]] | None
+                        ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation and tools to render with `template`: what it cannot render itself is
+    written into the messages (the tools into a system message, tool calls into the content);
+    tool-call arguments become objects, as templates expect (OpenAI sends them as JSON text)."""
+    conversation = [dict(m) for m in messages]
+    tools = [dict(t) for t in tools] if tools else None
+    if tools and "tools" not in template:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        prompt = TOOLS_SYSTEM_PROMPT.format(tools=listed)
+        if conversation and conversation[0].get("role") == "system":
+            first = conversation[0]
+            first["content"] = f"{first['content']}\n\n{prompt}" if first.get("content") else prompt
+        else:
+            conversation.insert(0, {"role": "system", "content": prompt})
+        tools = None
+    renders_calls = "tool_calls" in template
+    for message in conversation:
+        calls = message.get("tool_calls")
+        if not calls:
+            message.pop("tool_calls", None)
+            continue
+        calls = [_call_for_template(c) for c in calls]
+        if renders_calls:
+            message["tool_calls"] = calls
+            continue
+        del message["tool_calls"]
+        blocks = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"].get("name"),
+                                                          "arguments": c["function"].get("arguments")},
+                                                         ensure_ascii=False) + "\n</tool_call>" for c in calls)
+        content = message.get("content") or ""
+        message["content"] = f"{content}\n{blocks}" if content else blocks
+    return conversation, tools
+
+
+def _call_for_template(call: Mapping[str, Any]) -> dict[str, Any]:
+    """One OpenAI tool call with its arguments as an object where they are JSON text of one."""
+    call = dict(call)
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # not JSON: the template gets the text as it is
+    call["function"] = function
+    return call
 
 
 def _load_hf_dir(directory: pathlib.Path) -> Any:

@@ -246,6 +246,21 @@ def test_seeded_rows_ignore_batch_mates():
     assert alone[0] == mixed
 
 
+def test_greedy_rows_beside_sampled_and_logprob_rows():
+    """A batch mixing plain greedy rows with a seeded sampled row and a logprobs row: the
+    greedy rows take the argmax fast path, the others the full path on their rows alone,
+    and each row's token is what it gets in a batch of its own."""
+    logits = torch.randn(5, 100)
+    params = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0),
+              dict(temperature=0, logprobs=2), dict(temperature=0, logit_bias={7: 100.0})]
+    batch = Sampler(100, torch.device("cpu"))(logits.clone(), [make_req(f"r{i}", 3, **p) for i, p in enumerate(params)])
+    for i, p in enumerate(params):
+        alone = Sampler(100, torch.device("cpu"))(logits[i:i + 1].clone(), [make_req(f"r{i}", 3, **p)])
+        assert batch.token_ids[i] == alone.token_ids[0]
+        assert (batch.logprobs[i] is None) == ("logprobs" not in p)
+    assert batch.token_ids[4] == 7 and batch.token_ids[0] == int(logits[0].argmax())
+
+
 # -- dtype -----------------------------------------------------------------------------------
 def test_auto_dtype_is_bf16_where_the_cpu_computes_it_natively(monkeypatch):
     from tessera_engine import cpu_kernels

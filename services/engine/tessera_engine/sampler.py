@@ -36,6 +36,13 @@ def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int):
     return chosen_lp, rank, top_ids, top_lp
 
 
+class _Unconstrained:
+    constraint = None
+
+
+_NO_CONSTRAINT = _Unconstrained()  # stands in for a row _constrain_greedy must leave alone
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device, ops: TorchOps | None = None) -> None:
         self.vocab_size = vocab_size
@@ -106,16 +113,46 @@ class Sampler:
 
     @staticmethod
     def _plain_greedy(r: Request) -> bool:
-        """Greedy with nothing that changes or reads the logits (penalties, min_tokens, logprobs)."""
+        """Greedy with nothing that changes or reads the logits (penalties, logit_bias, min_tokens,
+        logprobs) but, perhaps, an output constraint (see _constrain_greedy)."""
         p = r.params
-        return (p.greedy and not p.has_penalties and p.logprobs is None and r.constraint is None
-                and not p.logit_bias and not (r.num_output_tokens < p.min_tokens))
+        return (p.greedy and not p.has_penalties and p.logprobs is None and not p.logit_bias
+                and (r.constraint is not None or not r.num_output_tokens < p.min_tokens))
+
+    @staticmethod
+    def _constrain_greedy(logits: torch.Tensor, reqs: list[Request], tokens: list[int]) -> None:
+        """Constrained greedy rows: the row's argmax when the constraint allows it (then it is
+        also the argmax of the allowed tokens, first maximum included) - one token checked, no
+        mask built; else the argmax over the constraint's mask."""
+        for i, r in enumerate(reqs):
+            if r.constraint is not None and not r.constraint.allows(tokens[i], r.output_token_ids):
+                bitmask = r.constraint.manager.new_bitmask(1)
+                r.constraint.fill_bitmask(bitmask, 0, r.output_token_ids)
+                allowed = unpack_bitmask(bitmask, logits.shape[1])[0].to(logits.device)
+                tokens[i] = int(logits[i].float().masked_fill(~allowed, float("-inf")).argmax())
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits [B, V] for the rows that sample this step, reqs in the same order."""
-        if all(self._plain_greedy(r) for r in reqs):
+        fast = [self._plain_greedy(r) for r in reqs]
+        if all(fast):
             # greedy fast path: argmax of the raw logits (upcasting is exact, argmax keeps the first max)
-            return SamplerOutput(self.ops.argmax_rows(logits).tolist(), [None] * len(reqs))
+            tokens = self.ops.argmax_rows(logits).tolist()
+            self._constrain_greedy(logits, reqs, tokens)
+            return SamplerOutput(tokens, [None] * len(reqs))
+        if any(fast):
+            # the greedy rows as above, the others through the full path on their rows alone
+            slow = [i for i, f in enumerate(fast) if not f]
+            tokens = self.ops.argmax_rows(logits).tolist()
+            self._constrain_greedy(logits, [r if f else _NO_CONSTRAINT for r, f in zip(reqs, fast)], tokens)
+            out = self._sample(logits[torch.tensor(slow, device=logits.device)], [reqs[i] for i in slow])
+            logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+            for j, i in enumerate(slow):
+                tokens[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
+            return SamplerOutput(tokens, logprobs)
+        return self._sample(logits, reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """Every processor and draw, for rows that need more than an argmax."""
         raw = logits
         logits = logits.float().clone()
         self._apply_penalties(logits, reqs)

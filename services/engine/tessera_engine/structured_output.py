@@ -56,6 +56,10 @@ class Constraint:
                 raise RuntimeError(f"replaying the output through the grammar failed: {self.matcher.get_error()}")
         return self.matcher
 
+    def allows(self, token_id: int, output_token_ids: list[int]) -> bool:
+        """Whether the constraint allows `token_id` next (one token checked, no mask built)."""
+        return self._matcher(output_token_ids).validate_tokens([token_id]) == 1
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, output_token_ids: list[int]) -> None:
         """Write this sample's allowed next tokens into row `row` of an int32 bitmask."""
         m = self._matcher(output_token_ids)

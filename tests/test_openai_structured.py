@@ -52,16 +52,22 @@ def json_schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_json_schema_every_output_validates(client, model, temperature):
-    """Ten prompts at once (greedy, then sampled): each reply parses and validates."""
+def test_json_schema_every_output_validates(client, model, temperature, stream):
+    """Ten prompts at once, greedy and sampled, streamed and whole: each reply parses and validates."""
     import concurrent.futures
 
     def ask(i: int, q: str) -> str:
-        r = client.chat.completions.create(model=model, messages=user(q), max_tokens=160, temperature=temperature,
-                                           seed=i, response_format=json_schema_format(CITY))
-        assert r.choices[0].finish_reason == "stop"
-        return r.choices[0].message.content
+        kw = dict(model=model, messages=user(q), max_tokens=160, temperature=temperature, seed=i,
+                  response_format=json_schema_format(CITY))
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "stop"
+            return r.choices[0].message.content
+        chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
 
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         replies = list(pool.map(ask, range(10), PROMPTS))

@@ -48,7 +48,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tessera.common.grpc_service import CHANNEL_OPTIONS
-from tessera.v1 import engine_pb2, engine_pb2_grpc, frontend_pb2_grpc, tokenizer_pb2_grpc
+from tessera.v1 import engine_pb2, engine_pb2_grpc, frontend_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_TEST_STARTUP_TIMEOUT", "300"))
@@ -353,3 +353,18 @@ def wait_engine_idle(engine_stub, seconds: float = 3.0, require: bool = False) -
             assert not require, f"engine not idle after {seconds:g}s: {stats}"
             return stats
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """The real `openai` client on the session stack's HTTP API."""
+    import openai
+
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def model(stack) -> str:
+    """The served model's name, as the tokenizer reports it."""
+    return stack.tokenizer_stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=10).model_name
+

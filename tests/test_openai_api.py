@@ -16,21 +16,12 @@ import grpc
 import openai
 import pytest
 
-from stack import stack, wait_engine_idle  # noqa: F401  (the session fixture)
+from stack import client, model, stack, wait_engine_idle  # noqa: F401  (fixtures)
 from tessera.v1 import common_pb2, engine_pb2, frontend_pb2, tokenizer_pb2
 
 QUESTION = "What is the capital of France? Answer in one word."
 LONG_STORY = "Write a very long story about a dragon."
 
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(stack) -> str:
-    return stack.tokenizer_stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=10).model_name
 
 
 def user(text: str) -> list[dict]:

@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from stack import stack  # noqa: F401  (the session fixture)
+from stack import client, model, stack  # noqa: F401  (fixtures)
 from tessera.v1 import common_pb2, frontend_pb2, tokenizer_pb2
 
 CITY = {
@@ -33,15 +33,6 @@ PROMPTS = ["Tell me about Paris.", "Tell me about Tokyo.", "Describe Cairo.", "D
            "What is Lima like?", "Tell me about Sydney.", "Describe Toronto.", "Tell me about Mumbai.",
            "What is Rome like?", "Describe Nairobi."]
 
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def model(stack) -> str:
-    return stack.tokenizer_stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=10).model_name
 
 
 def user(text: str) -> list[dict]:

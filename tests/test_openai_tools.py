@@ -13,8 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from stack import stack  # noqa: F401  (the session fixture)
-from tessera.v1 import tokenizer_pb2
+from stack import client, model, stack  # noqa: F401  (fixtures)
 
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
 WEATHER = {"type": "object",
@@ -31,15 +30,6 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 GREEDY = dict(temperature=0.0, max_tokens=120)
 
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(stack) -> str:
-    return stack.tokenizer_stub.GetModelInfo(tokenizer_pb2.ModelInfoRequest(), timeout=10).model_name
 
 
 def check_calls(tool_calls, names=SCHEMAS) -> list[tuple[str, dict]]:

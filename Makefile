@@ -29,8 +29,9 @@ $(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/g
 protos: install
 	$(PY) protos/generate.py
 
+# `tessera serve` (flags: make run ARGS="--model PATH --max-num-seqs 8") and a sample answer
 run: install
-	$(PY) scripts/run_stack.py
+	$(PY) scripts/run_stack.py $(ARGS)
 
 test: install
 	$(PY) -m pytest -q tests

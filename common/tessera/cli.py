@@ -4,6 +4,8 @@
                      [--temperature T] [--seed S] [--raw] [--wait SECONDS]
     tessera health [--addr HOST:PORT] [--wait SECONDS]
     tessera health --metrics-addr HOST:PORT
+    tessera serve [--model PATH] [any service flag ...]   (tessera.serve)
+    tessera bench [--backend openai-chat|openai|grpc] ... (tessera.bench.cli)
 
 `generate` sends the prompt as one user chat message (or as plain text with
 --raw), streams the text to stdout as it arrives, then prints a newline and the
@@ -46,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="print the frontend's health status")
     health.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
                         help="ask a service's HTTP /health on its metrics port instead (any service, any TLS)")
+    # (listed for --help; main() hands their whole command line to their own parsers)
+    commands.add_parser("serve", add_help=False,
+                        help="run the tokenizer, engine and frontend as local processes (tessera serve --help)")
+    commands.add_parser("bench", add_help=False,
+                        help="load generator for tessera or any OpenAI-compatible server (tessera bench --help)")
     for sub in (gen, health):
         add_flag(sub, "--addr", "TESSERA_FRONTEND_ADDR", "localhost:50051", help="frontend address")
         sub.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
@@ -135,6 +142,13 @@ def http_health(metrics_addr: str, timeout: float = 5.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from tessera import serve
+        return serve.main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from tessera.bench import cli as bench_cli
+        return bench_cli.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "health" and args.metrics_addr:
         return http_health(args.metrics_addr)

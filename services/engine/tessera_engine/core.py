@@ -207,7 +207,6 @@ class EngineCore:
         times = self.executor.runner.warm_up(min(self.scheduler.token_budget, self.max_model_len),
                                              self.config.max_num_seqs)
         log.info("warmed up", extra=times)
-        self.structured.prepare()  # so the first constrained request does not wait seconds for it
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats()

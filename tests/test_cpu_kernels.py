@@ -75,6 +75,69 @@ def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, ke
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 5, 16, 20, 100])
+def test_decode_attention_with_a_sliding_window_attends_the_last_positions_only(dtype, window, kernels):
+    """Each row attends positions [len - window, len): the first block read is the one holding
+    len - window (blocks before it may be freed: they are given as garbage ids here)."""
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim, bs, num_blocks = 9, 3, 64, 16, 200
+    k_cache = torch.randn(num_blocks * bs, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, kv_heads, head_dim).to(dtype)
+    lens = torch.tensor([1, 2, 15, 16, 17, 21, 33, 100, 160, 250])
+    n, max_blocks = len(lens), int(-(-lens.max() // bs))
+    tables = torch.randperm(num_blocks)[:n * max_blocks].view(n, max_blocks).contiguous()
+    freed = tables.clone()
+    for i, L in enumerate(lens.tolist()):  # what the window let go must not be read
+        freed[i, :max(0, L - window) // bs] = 10 ** 9
+    q = torch.randn(n, heads, head_dim).to(dtype)
+    out = kernels.decode_attention(q, k_cache, v_cache, freed, lens, head_dim ** -0.5, bs, window)
+    g = heads // kv_heads
+    for i, L in enumerate(lens.tolist()):
+        slots = (tables[i].unsqueeze(1) * bs + torch.arange(bs)).flatten()[max(0, L - window):L]
+        k = k_cache[slots].float().transpose(0, 1).repeat_interleave(g, 0)
+        v = v_cache[slots].float().transpose(0, 1).repeat_interleave(g, 0)
+        s = (q[i].float().unsqueeze(1) @ k.transpose(1, 2)) * head_dim ** -0.5
+        ref = (s.softmax(-1) @ v).squeeze(1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_attention_with_a_sliding_window_matches_torch_attention(dtype, kernels):
+    """A mixed step under a 20-token window, blocks outside it freed (FREED_BLOCK): the kernel
+    backend against the torch backend's masked SDPA and decode paths."""
+    from tessera_engine.attention import CpuKernelAttention, DecodeEntry, PagedAttention, PrefillChunk, TorchAttention
+    from tessera_engine.kv_cache import FREED_BLOCK as F_
+
+    torch.manual_seed(4)
+    bs, heads, kv_heads, d, window = 16, 9, 3, 64, 20
+    layer = PagedAttention(heads, kv_heads, d)
+    k_cache = torch.randn(64 * bs, kv_heads, d).to(dtype)
+    v_cache = torch.randn(64 * bs, kv_heads, d).to(dtype)
+    decodes = [DecodeEntry([3, 9], 20), DecodeEntry([F_, 8, 11], 40), DecodeEntry([F_, 10, 12, 13], 50)]
+    chunks, q_start = [], len(decodes)
+    for start, end, table in [(0, 37, [20, 21, 22]), (50, 70, [F_, 31, 32, 33, 34]), (0, 16, [40])]:
+        chunks.append(PrefillChunk(q_start, start, end, table))
+        q_start += end - start
+    q = torch.randn(q_start, heads, d).to(dtype)
+    outs = []
+    for backend in (CpuKernelAttention(kernels, bs, kv_heads, dtype, torch.device("cpu"), window),
+                    TorchAttention(bs, kv_heads, dtype, torch.device("cpu"), window)):
+        meta = backend.build_metadata(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                                      decodes, chunks)
+        outs.append(backend.forward(layer, q, k_cache, v_cache, meta).float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+    # and the window matters: full attention gives other rows
+    full = TorchAttention(bs, kv_heads, dtype, torch.device("cpu"))
+    meta = full.build_metadata(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                               [], [PrefillChunk(0, 0, 37, [20, 21, 22])])
+    unwindowed = full.forward(layer, q[3:40], k_cache, v_cache, meta).float()
+    torch.testing.assert_close(unwindowed[:20], outs[1][3:23], atol=tol, rtol=tol)  # within the window
+    assert not torch.allclose(unwindowed[36], outs[1][39], atol=0.1)  # past it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_attention_of_a_mixed_step_matches_torch_attention(dtype, kernels):
     """One step holding decodes, a fresh prompt, a chunk continuing a cached context and a
     one-block prompt: the kernel backend (every token attends as a decode of its position)

@@ -300,22 +300,3 @@ def test_block_hashes_are_sha256_chained_over_fixed_width_inputs():
     assert hash_block(None, [5, 6, 7, 8]) != second  # the parent is part of the name
     assert hash_block(first, [5, 6, 7, 9]) != second
     assert hash_block(None, (1, 2, 3, 4)) == first  # any sequence of ids
-
-
-def test_a_sliding_window_model_is_capped_to_its_window(tmp_path):
-    """Mistral-style sliding-window attention is not implemented: the context is capped to
-    the window (exact there), and an explicit longer --max-model-len is refused."""
-    import torch
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from tessera_engine.models.loader import load_model
-
-    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        sliding_window=32)
-    torch.manual_seed(0)
-    MistralForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
-    assert load_model(str(tmp_path), None, torch.float32, torch.device("cpu")).max_model_len == 32
-    assert load_model(str(tmp_path), 16, torch.float32, torch.device("cpu")).max_model_len == 16
-    with pytest.raises(ValueError, match="sliding window"):
-        load_model(str(tmp_path), 64, torch.float32, torch.device("cpu"))

@@ -100,9 +100,11 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, block_size: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, block_size: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
+        self.window = sliding_window  # each token attends its last `window` positions (itself included)
         self.dtype = dtype
         self.device = device
         self._arange_bs = torch.arange(block_size, device=device)
@@ -121,7 +123,10 @@ class TorchAttention:
         L = max_blocks * bs
         rows = self._table_rows([d.block_table for d in decodes], max_blocks)
         lens = torch.tensor([d.context_len for d in decodes], device=dev)
-        valid = torch.arange(L, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        ar = torch.arange(L, device=dev).unsqueeze(0)
+        valid = ar < lens.unsqueeze(1)
+        if self.window:
+            valid &= ar >= lens.unsqueeze(1) - self.window
         return TorchDecodeMetadata(rows, self._bias(valid, torch.float32).view(len(decodes), 1, 1, L), L)
 
     def _bias(self, valid: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -132,11 +137,14 @@ class TorchAttention:
 
     def _table_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
         """Cache rows ([slots * KVH, d] view), head-major, of the first num_blocks blocks of each
-        table (short tables padded with block 0, masked by the caller) -> [N * KVH * L]."""
+        table (short tables padded with block 0, masked by the caller) -> [N * KVH * L]. Blocks a
+        sliding window let go (FREED_BLOCK) read block 0 too: the mask hides them."""
         bs = self.block_size
         rows = [t[:num_blocks] + [0] * (num_blocks - len(t)) if len(t) < num_blocks else t[:num_blocks]
                 for t in tables]
         tab = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.window:
+            tab.clamp_(min=0)
         slots = (tab.unsqueeze(2) * bs + self._arange_bs).view(len(tables), 1, num_blocks * bs)
         return (slots * self.num_kv_heads + self._arange_kvh).view(-1)
 
@@ -169,7 +177,8 @@ class TorchAttention:
         num_blocks = -(-max(c.end for c in grp) // bs)
         Lk = num_blocks * bs
         kv_rows = self._table_rows([c.block_table for c in grp], num_blocks)
-        if N == 1 and grp[0].start == 0:  # one chunk, nothing cached before it: plain causal
+        if N == 1 and grp[0].start == 0 and (not self.window or grp[0].end <= self.window):
+            # one chunk, nothing cached before it, no window to apply: plain causal
             q0, end = grp[0].q_start, grp[0].end
             rows = torch.arange(q0, q0 + end, device=dev)
             kv_rows = kv_rows.view(self.num_kv_heads, Lk)[:, :end].reshape(-1)
@@ -186,6 +195,8 @@ class TorchAttention:
         kpos = torch.arange(Lk, device=dev).view(1, 1, Lk)
         qpos = starts + torch.arange(Lq, device=dev).view(1, Lq, 1)         # [N, Lq, 1]
         allowed = (kpos <= qpos) & (kpos < ends)                             # [N, Lq, Lk]
+        if self.window:
+            allowed &= kpos > qpos - self.window
         return PrefillGroup(q_gather, kv_rows, valid, out_rows, self._bias(allowed).unsqueeze(1), N, Lq, Lk)
 
     # -- per layer ----------------------------------------------------------------
@@ -255,8 +266,8 @@ class CpuKernelAttention(TorchAttention):
     name = "cpu_kernels"
 
     def __init__(self, kernels, block_size: int, num_kv_heads: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(block_size, num_kv_heads, dtype, device)
+                 device: torch.device, sliding_window: int | None = None) -> None:
+        super().__init__(block_size, num_kv_heads, dtype, device, sliding_window)
         self.kernels = kernels
 
     def build_metadata(self, slot_mapping: torch.Tensor, positions: torch.Tensor,
@@ -270,16 +281,25 @@ class CpuKernelAttention(TorchAttention):
         flat batch, in order (the model runner lays the batch out so).
         """
         bs = self.block_size
-        tables = [d.block_table[:-(-d.context_len // bs)] for d in decodes]
-        tables += [c.block_table[:-(-c.end // bs)] for c in chunks]
+        # With a sliding window, each table starts at the block of the first position any of its
+        # rows attends (the blocks before it may be freed) and positions count from there; the
+        # kernel applies the window itself.
+        firsts = [self._first_block(d.context_len) for d in decodes] + [self._first_block(c.start + 1) for c in chunks]
+        ends = [-(-d.context_len // bs) for d in decodes] + [-(-c.end // bs) for c in chunks]
+        tables = [e.block_table[f:n] for e, f, n in zip(decodes + chunks, firsts, ends)]
         max_blocks = max(map(len, tables))
         table_rows = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        lens = torch.tensor([d.context_len for d in decodes], dtype=torch.long)
+        lens = torch.tensor([d.context_len - f * bs for d, f in zip(decodes, firsts)], dtype=torch.long)
         if chunks:  # one row per chunk token: its chunk's table, and its own position + 1
             repeats = torch.tensor([1] * len(decodes) + [c.end - c.start for c in chunks], dtype=torch.long)
             table_rows = table_rows.repeat_interleave(repeats, dim=0)
-            lens = torch.cat([lens] + [torch.arange(c.start + 1, c.end + 1, dtype=torch.long) for c in chunks])
+            lens = torch.cat([lens] + [torch.arange(c.start + 1 - f * bs, c.end + 1 - f * bs, dtype=torch.long)
+                                       for c, f in zip(chunks, firsts[len(decodes):])])
         return AttentionMetadata(slot_mapping, positions, lens.numel(), KernelDecodeMetadata(table_rows, lens), [])
+
+    def _first_block(self, context_len: int) -> int:
+        """The block holding the first position a row with this context length attends."""
+        return max(0, context_len - self.window) // self.block_size if self.window else 0
 
     def rotary_tables(self, rotary, dtype: torch.dtype, positions: torch.Tensor):
         """The whole tables: the fused kernel indexes them by position itself."""
@@ -292,7 +312,7 @@ class CpuKernelAttention(TorchAttention):
 
     def _decode(self, layer, q, k_cache, v_cache, dm: KernelDecodeMetadata) -> torch.Tensor:
         return self.kernels.decode_attention(q, k_cache, v_cache, dm.block_tables, dm.context_lens,
-                                             layer.scale, self.block_size)
+                                             layer.scale, self.block_size, self.window or 0)
 
 
 class PagedAttention:

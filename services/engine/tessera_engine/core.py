@@ -57,7 +57,7 @@ class EngineCore:
         eos = getattr(self.executor.hf_config, "eos_token_id", None)
         self.default_eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching, self.executor.model.sliding_window)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
         log.info("scheduler ready", extra={"token_budget": self.scheduler.token_budget,
                                            "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
@@ -110,7 +110,7 @@ class EngineCore:
             raise RequestRejected(
                 "INVALID_ARGUMENT",
                 f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds max_model_len ({self.max_model_len})")
-        needed = -(-(n + p.max_tokens) // self.config.block_size)
+        needed = self._blocks_needed(n + p.max_tokens)
         if needed > self.kv_cache.num_blocks:
             raise RequestRejected(
                 "RESOURCE_EXHAUSTED",
@@ -123,6 +123,15 @@ class EngineCore:
                 f"--max-waiting-requests {cap}); retry later")
         if any((req.request_id, i) in self.scheduler.requests for i in range(p.n)):
             raise RequestRejected("ALREADY_EXISTS", f"request_id {req.request_id!r} is already running")
+
+    def _blocks_needed(self, num_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once: all of them, or with a
+        sliding window, the window behind a step's chunk plus the chunk."""
+        bs = self.config.block_size
+        window = self.kv_cache.window
+        if window:
+            num_tokens = min(num_tokens, window + self.scheduler.token_budget + 2 * bs)
+        return -(-num_tokens // bs)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.check_request(req)

@@ -8,6 +8,12 @@ Python's 64-bit hash(): a collision would hand one request another's cached KV
 reference count drops to zero go to the back of the free queue but keep their
 hash, so a later request with the same prefix can take them back; allocation
 takes from the front of the queue, evicting the least recently freed first.
+
+With a sliding window (each token attends only its last `window` positions), blocks wholly
+before the window of a request's next token are freed while it runs, as vLLM's sliding-window
+manager does; their table entries become FREED_BLOCK, so positions keep indexing the table.
+A prefix-cache hit then needs only the blocks its first new token's window reaches, not the
+whole chain: the hash of block i still names every token up to it.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from array import array
 from typing import Sequence
 
 from tessera_engine.request import Request, SampleKey
+
+FREED_BLOCK = -1  # a block table entry whose block a sliding window let go
 
 
 @dataclasses.dataclass
@@ -45,6 +53,7 @@ class RequestBlocks:
     block_ids: list[int] = dataclasses.field(default_factory=list)  # its block table
     hashes: list[bytes] = dataclasses.field(default_factory=list)   # of its full blocks, memoized
     num_registered: int = 0  # leading blocks already published in the prefix cache
+    num_freed: int = 0       # leading entries a sliding window let go (FREED_BLOCK)
 
 
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -56,10 +65,12 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
+        self.window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = evicted first). dict keeps insertion order.
@@ -111,6 +122,8 @@ class KVCacheManager:
             return [], 0
         max_tokens = req.num_tokens - 1
         hashes = self._block_hashes(req, max_tokens)
+        if self.window:
+            return self._find_cached_window(hashes)
         found: list[int] = []
         for h in hashes:
             block_id = self.cached.get(h)
@@ -118,6 +131,24 @@ class KVCacheManager:
                 break
             found.append(block_id)
         return found, len(found) * self.block_size
+
+    def _find_cached_window(self, hashes: list[bytes]) -> tuple[list[int], int]:
+        """Longest prefix of k blocks whose last blocks, those the window of position k * bs
+        reaches, are all cached; the blocks before them are FREED_BLOCK entries."""
+        bs = self.block_size
+        ids = [self.cached.get(h) for h in hashes]
+        best, run_start = 0, 0  # run_start: first block of the cached run ending at block k - 1
+        for k in range(1, len(ids) + 1):
+            if ids[k - 1] is None:
+                run_start = k
+            elif run_start <= self._first_needed_block(k * bs):
+                best = k
+        first = self._first_needed_block(best * bs)
+        return [FREED_BLOCK] * first + ids[first:best], best * bs
+
+    def _first_needed_block(self, position: int) -> int:
+        """The first block the window of a token at `position` reaches (0 without a window)."""
+        return max(0, position - self.window + 1) // self.block_size if self.window else 0
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one scheduled lookup (vLLM counts tokens, not blocks)."""
@@ -134,18 +165,23 @@ class KVCacheManager:
         """
         blocks = self.req_blocks.get(req.key)
         table = blocks.block_ids if blocks is not None else None
+        if self.window and table:  # first give back what the window has left behind
+            self._free_outside_window(req, req.num_computed_tokens)
         cached_blocks = cached_blocks or []
         have = (len(table) if table else 0) + len(cached_blocks)
         num_computed = req.num_computed_tokens if table else len(cached_blocks) * self.block_size
         need_total = -(-(num_computed + num_new_tokens) // self.block_size)
         need_new = max(0, need_total - have)
         # Cached blocks that are free count against the free pool when we take them.
-        reclaim = sum(1 for b in cached_blocks if self.blocks[b].ref_cnt == 0)
+        reclaim = sum(1 for b in cached_blocks if b != FREED_BLOCK and self.blocks[b].ref_cnt == 0)
         if need_new + reclaim > self.num_free_blocks:
             return False
         if table is None:
             table = self.req_blocks.setdefault(req.key, RequestBlocks()).block_ids
         for block_id in cached_blocks:
+            if block_id == FREED_BLOCK:
+                table.append(block_id)
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self.free_queue[block_id]
@@ -156,6 +192,18 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(req, num_computed + num_new_tokens)
         return True
+
+    def _free_outside_window(self, req: Request, num_computed: int) -> None:
+        """Free the blocks no token from position num_computed on attends: the window of
+        the step's first token starts in block _first_needed_block(num_computed)."""
+        blocks = self.req_blocks[req.key]
+        table = blocks.block_ids
+        upto = self._first_needed_block(num_computed)
+        for i in range(blocks.num_freed, upto):
+            if table[i] != FREED_BLOCK:
+                self._release(table[i])
+                table[i] = FREED_BLOCK
+        blocks.num_freed = max(blocks.num_freed, upto)
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
@@ -180,6 +228,8 @@ class KVCacheManager:
         start = blocks.num_registered
         blocks.num_registered = max(start, num_full)
         for i in range(start, num_full):
+            if table[i] == FREED_BLOCK:  # a window-only prefix hit: nothing held there
+                continue
             h = hashes[i]
             block = self.blocks[table[i]]
             if block.block_hash is None:
@@ -203,14 +253,17 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.key, None)
         if blocks is None or not blocks.block_ids:
             return
-        table = blocks.block_ids
-        for block_id in reversed(table):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    # Uncached blocks are reused first: they hold nothing worth keeping.
-                    self.free_queue[block_id] = None
-                    self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self.free_queue[block_id] = None
+        for block_id in reversed(blocks.block_ids):
+            if block_id != FREED_BLOCK:
+                self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.block_hash is None:
+                # Uncached blocks are reused first: they hold nothing worth keeping.
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+            else:
+                self.free_queue[block_id] = None

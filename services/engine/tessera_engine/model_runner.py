@@ -41,7 +41,7 @@ def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> 
 
 
 def select_backends(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
-                    device: torch.device) -> tuple[TorchAttention, TorchOps]:
+                    device: torch.device, sliding_window: int | None = None) -> tuple[TorchAttention, TorchOps]:
     """The attention and op backends, chosen once per engine: tessera's fused CPU kernels on CPU
     when --cpu-kernels is on and they load, torch ops otherwise."""
     kernels = None
@@ -53,11 +53,12 @@ def select_backends(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
         kernels = cpu_kernels.load(config.cpu_kernels_prebuilt)
         why = "fused CPU kernels" if kernels is not None else "torch ops: the fused CPU kernels did not load"
     if kernels is None:
-        attention, ops = TorchAttention(config.block_size, num_kv_heads, dtype, device), TorchOps()
+        attention, ops = TorchAttention(config.block_size, num_kv_heads, dtype, device, sliding_window), TorchOps()
     else:
-        attention = CpuKernelAttention(kernels, config.block_size, num_kv_heads, dtype, device)
+        attention = CpuKernelAttention(kernels, config.block_size, num_kv_heads, dtype, device, sliding_window)
         ops = CpuKernelOps(kernels)
-    log.info("backend chosen", extra={"attention": attention.name, "ops": ops.name, "why": why})
+    log.info("backend chosen", extra={"attention": attention.name, "ops": ops.name, "why": why,
+                                      "sliding_window": sliding_window})
     return attention, ops
 
 
@@ -74,7 +75,8 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(hf_config.num_hidden_layers)]
-        self.attention, self.ops = select_backends(config, hf_config.num_key_value_heads, dtype, device)
+        self.attention, self.ops = select_backends(config, hf_config.num_key_value_heads, dtype, device,
+                                                   model.sliding_window)
         q_max_rows = config.quantized_max_rows(dtype)
         paths = model.use_backend(self.attention, self.ops, q_max_rows)
         dense = self.ops.dense_packing.name if dtype == torch.bfloat16 and device.type == "cpu" else "torch"

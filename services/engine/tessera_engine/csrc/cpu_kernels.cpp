@@ -165,6 +165,14 @@ inline void softmax_inplace(float* s, int64_t L) {
 // caches [slots, KVH, d], block_tables [N, max_blocks] (int64), context_lens [N].
 // Work item = (sequence, KV head): the g = H / KVH query heads sharing that KV
 // head read each K and V row once, straight from its cache block.
+// Softmax over positions [skip, L) of a row; the first `skip` get probability 0. A sliding
+// window's first position may fall inside a block: the block is read whole, the positions
+// before the window weigh nothing.
+inline void softmax_window(float* s, int64_t L, int64_t skip) {
+  std::fill(s, s + skip, 0.f);
+  softmax_inplace(s + skip, L - skip);
+}
+
 struct DecodeShape {
   int64_t KVH, g, d, block_size, kv_row;
   float scale;
@@ -236,7 +244,7 @@ struct QueryRow<c10::BFloat16, NV> {
 // inner: a block's rows are read from memory once for all the heads of the range.
 template <typename T, int NV>
 void attend_vec(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                int64_t h0, int64_t h1, const DecodeShape& sh, float* scores, float* acc, T* out,
+                int64_t skip, int64_t h0, int64_t h1, const DecodeShape& sh, float* scores, float* acc, T* out,
                 int64_t o_head) {
   const int64_t g = sh.g, bs = sh.block_size, nh = h1 - h0;
   const __m512 vscale = _mm512_set1_ps(sh.scale);
@@ -261,7 +269,7 @@ void attend_vec(const T* q, int64_t q_head, const T* kc, const T* vc, const int6
       }
     }
   }
-  for (int64_t j = 0; j < nh * g; ++j) softmax_inplace(scores + j * L, L);
+  for (int64_t j = 0; j < nh * g; ++j) softmax_window(scores + j * L, L, skip);
   std::fill(acc, acc + nh * g * sh.d, 0.f);
   prefetch_block(vc, table[0] * bs, std::min(bs, L), h0, h1, sh);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
@@ -295,7 +303,7 @@ void attend_vec(const T* q, int64_t q_head, const T* kc, const T* vc, const int6
 
 template <typename T>
 void attend_scalar_head(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                        int64_t h, const DecodeShape& sh, float* scores, T* out, int64_t o_head) {
+                        int64_t skip, int64_t h, const DecodeShape& sh, float* scores, T* out, int64_t o_head) {
   const int64_t g = sh.g, d = sh.d, bs = sh.block_size;
   std::vector<float> qf(g * d), acc(g * d, 0.f), row(d);
   for (int64_t j = 0; j < g; ++j) {
@@ -306,7 +314,7 @@ void attend_scalar_head(const T* q, int64_t q_head, const T* kc, const T* vc, co
     to_float(kc + (table[t / bs] * bs + t % bs) * sh.kv_row + h * d, row.data(), d);
     for (int64_t j = 0; j < g; ++j) scores[j * L + t] = dot(qf.data() + j * d, row.data(), d);
   }
-  for (int64_t j = 0; j < g; ++j) softmax_inplace(scores + j * L, L);
+  for (int64_t j = 0; j < g; ++j) softmax_window(scores + j * L, L, skip);
   for (int64_t t = 0; t < L; ++t) {
     to_float(vc + (table[t / bs] * bs + t % bs) * sh.kv_row + h * d, row.data(), d);
     for (int64_t j = 0; j < g; ++j) {
@@ -319,15 +327,16 @@ void attend_scalar_head(const T* q, int64_t q_head, const T* kc, const T* vc, co
 
 template <typename T>
 void attend_scalar(const T* q, int64_t q_head, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                   int64_t h0, int64_t h1, const DecodeShape& sh, float* scores, float* /*acc*/, T* out,
+                   int64_t skip, int64_t h0, int64_t h1, const DecodeShape& sh, float* scores, float* /*acc*/, T* out,
                    int64_t o_head) {
-  for (int64_t h = h0; h < h1; ++h) attend_scalar_head(q, q_head, kc, vc, table, L, h, sh, scores, out, o_head);
+  for (int64_t h = h0; h < h1; ++h)
+    attend_scalar_head(q, q_head, kc, vc, table, L, skip, h, sh, scores, out, o_head);
 }
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
-                           at::Tensor& out, double scale, int64_t block_size) {
+                           at::Tensor& out, double scale, int64_t block_size, int64_t window) {
   const int64_t N = q.size(0), H = q.size(1), d = q.size(2);
   const int64_t KVH = k_cache.size(1);
   const DecodeShape sh{KVH, H / KVH, d, block_size, KVH * d, static_cast<float>(scale)};
@@ -340,7 +349,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  using Fn = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
+  using Fn = void (*)(const T*, int64_t, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
                       const DecodeShape&, float*, float*, T*, int64_t);
   Fn fn = &attend_scalar<T>;
 #if defined(__AVX512F__)
@@ -361,17 +370,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       // rows taken from both ends in turn: a prefill chunk's rows have growing contexts, and
       // each thread's contiguous range of w then holds short and long rows alike
       const int64_t r = w / parts, i = (r & 1) ? N - 1 - r / 2 : r / 2, h0 = (w % parts) * per;
-      const int64_t L = lens[i];
+      // a sliding window attends positions [L - window, L): start at that position's block
+      const int64_t first = window > 0 && lens[i] > window ? (lens[i] - window) / block_size : 0;
+      const int64_t L = lens[i] - first * block_size;
+      const int64_t skip = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       scores.resize(per * sh.g * L);
-      fn(qp + i * q_row, q_head, kp, vp, tables + i * max_blocks, L, h0, h0 + per, sh, scores.data(),
-         acc.data(), op + i * o_row, o_head);
+      fn(qp + i * q_row, q_head, kp, vp, tables + i * max_blocks + first, L, skip, h0, h0 + per, sh,
+         scores.data(), acc.data(), op + i * o_row, o_head);
     }
   });
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                            double scale, int64_t block_size) {
+                            double scale, int64_t block_size, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, d] with contiguous rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -388,7 +400,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   dispatch_dtype(q.scalar_type(), "decode_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, block_size);
+    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, out, scale, block_size,
+                                    window);
   });
   return out;
 }
@@ -995,7 +1008,10 @@ at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K) {
 // the GIL is released and results after it is taken back; no kernel touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("decode_attention", &decode_attention, "paged attention for single-token decodes", nogil);
+  m.def("decode_attention", &decode_attention, "paged attention for single-token decodes",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("block_size"),
+        pybind11::arg("window") = 0, nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection", nogil);
   m.def("rope_and_cache_", &rope_and_cache_, "rotary on q and k in place; k and v written to the cache", nogil);

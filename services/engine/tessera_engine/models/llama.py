@@ -1,7 +1,8 @@
 """The Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM) in torch, over a paged KV cache.
 
 RMSNorm, rotary embeddings (models/rotary.py), grouped-query attention, SwiGLU MLP,
-optional QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3) and tied embeddings. Q, K and V share one matmul, as do
+optional QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), one sliding window for every layer
+(Mistral) and tied embeddings. Q, K and V share one matmul, as do
 gate and up. The attention and op backends are the model runner's choice, set once
 with `use_backend`.
 """
@@ -18,6 +19,22 @@ from tessera_engine.models.rotary import RotaryEmbedding
 from tessera_engine.ops import TorchOps
 
 _TORCH_OPS = TorchOps()
+
+
+def sliding_window(config) -> int | None:
+    """The attention window every layer shares (None: full attention), as HF reads the config:
+    Mistral's `sliding_window`; Qwen2/Qwen3's only with `use_sliding_window`, per `layer_types`.
+    A window on some layers only cannot share one paged cache's block freeing: refused."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise ValueError(f"{config.model_type}: a sliding window on some layers only (layer_types "
+                         f"{sorted(kinds)}) is not supported; one window for every layer is")
+    return int(window)
 
 
 class Linear(nn.Linear):
@@ -149,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.sliding_window = sliding_window(config)
         self._tied_pw = PackedWeight()
         self.embed_q: QuantizedWeight | None = None  # the checkpoint's quantized embedding table
         self.qembedding = None  # the ops backend's lookup in it, when used (use_backend)

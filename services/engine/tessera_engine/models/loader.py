@@ -54,21 +54,6 @@ def _safetensors_state_dict(directory: pathlib.Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _within_sliding_window(hf_config, max_len: int, explicit: bool) -> int:
-    """Sliding-window attention is not implemented: past its window a Mistral-style model
-    would attend to tokens it must not see. So the context is capped to the window (with a
-    warning), and an explicit --max-model-len beyond it is refused, naming both."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or not getattr(hf_config, "use_sliding_window", True) or max_len <= window:
-        return max_len
-    if explicit:
-        raise ValueError(f"max_model_len {max_len} exceeds this model's sliding window ({window} tokens); "
-                         f"sliding-window attention is not implemented, so at most {window}")
-    log.warning("sliding-window attention is not implemented: max_model_len capped to the window",
-                extra={"sliding_window": window, "max_position_embeddings": max_len})
-    return int(window)
-
-
 class LoadedModel(NamedTuple):
     model: LlamaForCausalLM  # eval mode, on its device
     hf_config: object
@@ -85,7 +70,6 @@ def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
     if hf_config.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_config.model_type!r} not supported (supported: {sorted(SUPPORTED)})")
     max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-    max_len = _within_sliding_window(hf_config, max_len, explicit=max_model_len is not None)
     state = _gguf_state_dict(src, hf_config) if src.gguf_file else _safetensors_state_dict(src.directory)
     net = LlamaForCausalLM(hf_config, max_len)
     net.load_hf_state_dict(state)

@@ -10,6 +10,7 @@ import logging
 import pathlib
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tessera.common.model_source import ModelSource, resolve_model
@@ -22,11 +23,40 @@ SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
 
 
 def load_hf_config(src: ModelSource):
+    """The model's transformers config; for a GGUF file, transformers' reading of its metadata
+    with what that reading misses for the families we run made good:
+      - a "llama" file whose general.name is exactly "mistral" is read by transformers as a
+        MistralConfig (with MistralConfig's default sliding window, which the file does not
+        state), whose tensors transformers then cannot name (gguf-py has no "mistral"
+        architecture); it is read as the llama file it is, as llama.cpp runs it;
+      - {arch}.attention.key_length, the head size, is not read for qwen2 / qwen3 (a Qwen3
+        config would keep its class default, 128), so it is set from the file;
+      - a rope_freqs tensor (how llama.cpp stores Llama 3 rope scaling: one divisor per rotary
+        frequency) is not read by transformers; its values go on the config as
+        `rope_freq_factors`, which models/rotary.py applies."""
     from transformers import AutoConfig
 
-    if src.gguf_file:
-        return AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file)
-    return AutoConfig.from_pretrained(src.directory)
+    if not src.gguf_file:
+        return AutoConfig.from_pretrained(src.directory)
+    from gguf import GGUFReader
+
+    config = AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    reader = GGUFReader(str(src.path))
+    field = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
+    arch = field("general.architecture")
+    if arch == "llama" and config.model_type == "mistral":
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        parsed = load_gguf_checkpoint(str(src.path), return_tensors=False)["config"]
+        config = AutoConfig.for_model(**{**parsed, "model_type": "llama"})
+    key_length, value_length = field(f"{arch}.attention.key_length"), field(f"{arch}.attention.value_length")
+    if key_length and value_length in (None, key_length) and getattr(config, "head_dim", None) != key_length:
+        config.head_dim = int(key_length)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        config.rope_freq_factors = [float(x) for x in np.asarray(freqs.data, dtype=np.float32).ravel()]
+        log.info("rope frequencies scaled by the file's rope_freqs", extra={"model": src.name})
+    return config
 
 
 def _gguf_state_dict(src: ModelSource, hf_config) -> dict[str, torch.Tensor]:

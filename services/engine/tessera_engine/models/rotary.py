@@ -1,5 +1,6 @@
 """Rotary position embeddings: cos/sin tables (any rope scaling transformers supports, computed
-by its own init functions) and their application in HF's rotate-half layout."""
+by its own init functions, or a GGUF file's per-frequency divisors) and their application in
+HF's rotate-half layout."""
 from __future__ import annotations
 
 import torch
@@ -23,6 +24,9 @@ class RotaryEmbedding(nn.Module):
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        factors = getattr(config, "rope_freq_factors", None)
+        if factors is not None:  # a GGUF file's rope_freqs (Llama 3 scaling, as llama.cpp applies it)
+            inv_freq = inv_freq.float() / torch.tensor(factors, dtype=torch.float32)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)

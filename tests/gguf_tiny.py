@@ -1,0 +1,214 @@
+"""Write a (tiny) HF transformers Llama-family model to a GGUF file with gguf-py, laid out as
+llama.cpp's convert_hf_to_gguf.py lays out such a model, so that tests can load it through
+the GGUF loaders (ours and transformers') without llama.cpp or a download.
+
+What the file gets, per llama.cpp's conventions:
+  - architecture: "llama" for Llama and Mistral (llama.cpp has no separate Mistral text
+    architecture: a Mistral model is a llama file), "qwen2", "qwen3";
+  - metadata: general.name / file_type / quantization_version, {arch}.vocab_size,
+    context_length, embedding_length, block_count, feed_forward_length,
+    attention.head_count(_kv), attention.layer_norm_rms_epsilon, rope.freq_base,
+    rope.dimension_count (llama: the head size), attention.key_length / value_length (where
+    the config sets a head size other than hidden / heads, as Qwen3 does);
+  - tensors: token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
+    ffn_gate, ffn_up, ffn_down}, blk.N.attn_{q,k,v}.bias (Qwen2), blk.N.attn_{q,k}_norm
+    (Qwen3), output_norm, and output only when lm_head is not tied to the embedding;
+  - for the llama architecture, the rows of attn_q / attn_k regrouped per head from HF's
+    rotate-half order (first half of the rotary pairs, then the second) to the interleaved
+    pair order llama.cpp's rope uses; transformers' GGUF reader (LlamaTensorProcessor)
+    undoes exactly this, and only for files whose architecture is "llama";
+  - Llama 3 rope scaling as llama.cpp stores it: a rope_freqs tensor of one divisor per
+    rotary frequency (there is no GGUF metadata key for the llama3 rope type).
+
+No tokenizer is written: neither loader needs one when {arch}.vocab_size is there.
+
+Weights are stored in the type `types(gguf_name, array)` chooses; F32, F16, and Q8_0 / Q4_0 /
+Q4_1 quantized by gguf-py's reference quantizer (2-D tensors with rows a multiple of 32 only).
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Callable
+
+import numpy as np
+import torch
+
+import gguf
+from gguf import GGMLQuantizationType as T
+
+QUANTIZED = {T.Q8_0, T.Q4_0, T.Q4_1}
+FILE_TYPES = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16,
+              T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, T.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+              T.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+TypeChooser = Callable[[str, np.ndarray], T]
+
+
+def all_f32(name: str, array: np.ndarray) -> T:
+    return T.F32
+
+
+def quantizable(array: np.ndarray) -> bool:
+    return array.ndim == 2 and array.shape[1] % 32 == 0
+
+
+def mixed(embedding: T = T.Q8_0, linear: T = T.Q4_1, output: T | None = None) -> TypeChooser:
+    """Like the default model's file: the token embedding in `embedding`, every linear layer's
+    weight in `linear` (the untied lm_head in `output`, default `linear`); norms, biases,
+    rope_freqs and anything a block quantizer cannot take stay F32."""
+    def choose(name: str, array: np.ndarray) -> T:
+        if not quantizable(array) or not name.endswith(".weight") or "norm" in name:
+            return T.F32
+        if name == "token_embd.weight":
+            return embedding
+        if name == "output.weight":
+            return output or linear
+        return linear
+    return choose
+
+
+def _rope_theta(cfg) -> float:
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def _rope_scaling(cfg) -> dict:
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return rope if rope.get("rope_type", rope.get("type", "default")) != "default" else {}
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def llama3_rope_divisors(cfg) -> np.ndarray:
+    """One divisor per rotary frequency (head_dim / 2 of them), which llama.cpp applies to the
+    base frequencies: 1 for short wavelengths, `factor` for long ones, and a blend between
+    the two over the band between the high- and low-frequency wavelengths."""
+    rope = _rope_scaling(cfg)
+    dim = _head_dim(cfg)
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    original = float(rope["original_max_position_embeddings"])
+    divisors = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * math.pi * _rope_theta(cfg) ** (i / dim)
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            blend = (original / wavelength - low) / (high - low)  # 0 at the long end, 1 at the short
+            divisors.append(1.0 / ((1.0 - blend) / factor + blend))
+    return np.array(divisors, dtype=np.float32)
+
+
+def _to_llama_cpp_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Per head, HF keeps a projection's rows as [pair halves 0..d/2-1 | d/2..d-1]; llama.cpp
+    wants row pairs (i, i + d/2) next to each other."""
+    rows = w.shape[0]
+    per_half = rows // heads // 2
+    return (w.reshape(heads, 2, per_half, *w.shape[1:])  # head, which half, pair index
+            .swapaxes(1, 2)                                # head, pair index, which half
+            .reshape(w.shape))
+
+
+def gguf_tensors(model) -> list[tuple[str, str | None, np.ndarray]]:
+    """(GGUF name, HF parameter name or None, float32 array as the file holds it) for every
+    tensor of the file, in llama.cpp's order."""
+    cfg = model.config
+    arch = ARCH[cfg.model_type]
+    state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    out = [("token_embd.weight", "model.embed_tokens.weight", state["model.embed_tokens.weight"])]
+    if arch == "llama" and _rope_scaling(cfg).get("rope_type") == "llama3":
+        out.append(("rope_freqs.weight", None, llama3_rope_divisors(cfg)))
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    for i in range(cfg.num_hidden_layers):
+        for hf, short in names.items():
+            for kind in ("weight", "bias"):
+                hf_name = f"model.layers.{i}.{hf}.{kind}"
+                w = state.get(hf_name)
+                if w is None:
+                    continue
+                if arch == "llama" and short in ("attn_q", "attn_k"):
+                    w = _to_llama_cpp_rope_rows(w, heads if short == "attn_q" else kv_heads)
+                out.append((f"blk.{i}.{short}.{kind}", hf_name, w))
+    out.append(("output_norm.weight", "model.norm.weight", state["model.norm.weight"]))
+    if not getattr(cfg, "tie_word_embeddings", False):
+        out.append(("output.weight", "lm_head.weight", state["lm_head.weight"]))
+    return out
+
+
+def _stored(name: str, w: np.ndarray, qtype: T) -> tuple[np.ndarray, T | None]:
+    """(the array to write, its raw ggml type or None for a plain F32 / F16 array)."""
+    if qtype in QUANTIZED:
+        if not quantizable(w):
+            raise ValueError(f"{name} {w.shape}: {qtype.name} needs a 2-D tensor with rows a multiple of 32")
+        return gguf.quants.quantize(np.ascontiguousarray(w), qtype), qtype
+    if qtype == T.F16:
+        return w.astype(np.float16), None
+    if qtype == T.F32:
+        return np.ascontiguousarray(w, dtype=np.float32), None
+    raise ValueError(f"{name}: type {qtype.name} not supported here")
+
+
+def expected_state_dict(model, types: TypeChooser = all_f32) -> dict[str, torch.Tensor]:
+    """What a faithful reader of write_gguf(model, ..., types) gets back, by HF parameter name,
+    in HF's row order: each weight as stored (F32 exactly; F16 rounded; quantized and then
+    dequantized by gguf-py: a row permutation commutes with row-wise block quantization)."""
+    state = model.state_dict()
+    out = {}
+    for name, hf_name, w in gguf_tensors(model):
+        if hf_name is None:
+            continue
+        hf_w = state[hf_name].detach().float().cpu().numpy()
+        data, raw = _stored(name, hf_w, types(name, w))
+        back = gguf.quants.dequantize(data, raw) if raw is not None else data.astype(np.float32)
+        out[hf_name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32).reshape(hf_w.shape))
+    return out
+
+
+def write_gguf(model, path: str | pathlib.Path, types: TypeChooser = all_f32, name: str | None = None) -> pathlib.Path:
+    """Write `model` (an HF LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+    Qwen3ForCausalLM) to `path`; `name` is general.name (default: the model type, capitalized
+    as a model card would have it, e.g. "Mistral", which transformers reads as a llama file)."""
+    cfg = model.config
+    arch = ARCH[cfg.model_type]
+    tensors = [(tname, *_stored(tname, w, types(tname, w))) for tname, _, w in gguf_tensors(model)]
+    # the file type names the linear layers' type, as llama.cpp's does (norms are always F32)
+    main = next((types(n, w) for n, _, w in gguf_tensors(model) if ".ffn_down." in n), T.F32)
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name or cfg.model_type.capitalize())
+    writer.add_file_type(int(FILE_TYPES[main]))
+    if main in QUANTIZED:
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(_rope_theta(cfg))
+    if arch == "llama":
+        writer.add_rope_dimension_count(_head_dim(cfg))
+    if _head_dim(cfg) != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(_head_dim(cfg))
+        writer.add_value_length(_head_dim(cfg))
+    for tname, data, raw_dtype in tensors:
+        writer.add_tensor(tname, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -59,7 +59,7 @@ def tiny_hf_llama(hidden_size: int = 64, intermediate_size: int = 128, num_layer
 def tiny_loaded(cfg, hf_model, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """tessera's Llama with the weights of `hf_model` (from tiny_hf_llama), as the engine loads a model."""
     model = LlamaForCausalLM(cfg, cfg.max_position_embeddings)
-    model.load_hf_state_dict(hf_model.state_dict())
+    model.load_hf_state_dict(hf_model.state_dict().items())
     return LoadedModel(model.to(dtype=dtype).eval(), cfg, "tiny", cfg.max_position_embeddings)
 
 

@@ -97,16 +97,35 @@ def test_concat_keeps_one_type_only():
 def test_the_default_models_quantized_tensors_are_its_dense_weights(model_source):
     """Every Q4_1 / Q8_0 tensor of the default GGUF, read as bytes (q/k rows permuted as
     transformers does), dequantizes bit for bit to transformers' dequantized state dict."""
-    from tessera_engine.models.loader import _gguf_state_dict, load_hf_config
-    from tessera_engine.models.quantized import read_gguf_quantized
+    from tessera_engine.models.loader import load_hf_config
+    from tessera_engine.models.quantized import read_gguf_dequantized, read_gguf_quantized
 
     cfg = load_hf_config(model_source)
     q = read_gguf_quantized(str(model_source.path), cfg)
-    dense = _gguf_state_dict(model_source, cfg)
+    dense = dict(read_gguf_dequantized(str(model_source.path), cfg))
     assert len(q) == 7 * cfg.num_hidden_layers + 1  # every linear layer and the tied embedding
     assert {w.type_name for w in q.values()} == {"Q4_1", "Q8_0"}
     for name, w in q.items():
         assert torch.equal(K.qdequantize(w.data, w.qtype, dense[name].shape[1]), dense[name]), name
+
+
+def test_the_loader_reads_one_tensor_at_a_time_what_transformers_reads_at_once(model_source):
+    """The engine's GGUF reader streams the tensors transformers' own reader returns in one
+    dict (load_gguf_checkpoint): the same names, bit for bit."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tessera_engine.models.loader import load_hf_config
+    from tessera_engine.models.quantized import read_gguf_dequantized
+
+    cfg = load_hf_config(model_source)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg)
+    ref = load_gguf_checkpoint(str(model_source.path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    ours = dict(read_gguf_dequantized(str(model_source.path), cfg))
+    assert ours.keys() == ref.keys() and len(ours) > 200
+    for name, w in ref.items():
+        assert ours[name].dtype == w.dtype and torch.equal(ours[name], w), name
 
 
 def test_engine_uses_the_quantized_weights_by_default_and_logs_it(loaded_fp32, caplog):

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tessera_engine import cpu_kernels
@@ -38,6 +39,17 @@ def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On CPU from calloc (numpy's zeros): the kernel maps fresh
+    zero pages as blocks are first written, so the pool adds to RSS as it is used, not at start
+    (torch.zeros writes every byte: 1 GiB resident before the first request)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * size, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 def select_backends(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
@@ -72,8 +84,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         shape = (num_blocks * config.block_size, hf_config.num_key_value_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_caches = [(zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device))
                           for _ in range(hf_config.num_hidden_layers)]
         self.attention, self.ops = select_backends(config, hf_config.num_key_value_heads, dtype, device,
                                                    model.sliding_window)
@@ -185,9 +196,11 @@ class ModelRunner:
         self.model.compute_logits(hidden[-1:])
         times["prefill_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         t0 = time.perf_counter()
-        blocks = torch.arange(num_decodes, dtype=torch.long, device=self.device)
+        # every decode in block 0: the shapes are what matters, and the pool's other pages stay
+        # untouched (see zeroed_pool)
+        blocks = torch.zeros(num_decodes, dtype=torch.long, device=self.device)
         meta = self.attention.build_metadata(blocks * bs, torch.zeros_like(blocks),
-                                             [DecodeEntry([b], 1) for b in range(num_decodes)], [])
+                                             [DecodeEntry([0], 1)] * num_decodes, [])
         hidden = self.model(torch.zeros(num_decodes, dtype=torch.long, device=self.device),
                             torch.zeros_like(blocks), self.kv_caches, meta)
         self.model.compute_logits(hidden)

@@ -8,6 +8,8 @@ with `use_backend`.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -244,8 +246,9 @@ class LlamaForCausalLM(nn.Module):
             self.embed_q = get("embed_tokens.weight")
 
     # -- weights -----------------------------------------------------------------
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in HF transformers' LlamaForCausalLM, fusing QKV and gate/up."""
+    def load_hf_state_dict(self, state: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (name, tensor) pairs named as in HF transformers' LlamaForCausalLM (a state dict's
+        items, or a reader's stream), fusing QKV and gate/up."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -255,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
                 (p if rows is None else p[rows]).copy_(tensor.to(p.dtype))
             loaded.add(name)
 
-        for hf_name, tensor in state.items():
+        for hf_name, tensor in state:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue

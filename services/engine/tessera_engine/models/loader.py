@@ -1,21 +1,23 @@
 """Load a Llama-family checkpoint (HF safetensors directory or GGUF file) into torch.
 
-GGUF tensors are dequantized by transformers' GGUF reader (which uses the gguf
-package and undoes llama.cpp's Q/K permutation), so our weights are exactly the
-ones `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` sees.
+GGUF tensors are dequantized one at a time as transformers' GGUF reader does it (the
+gguf package's dequantize, then transformers' processor, which undoes llama.cpp's Q/K
+permutation), so our weights are exactly the ones
+`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` sees.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
 
 from tessera.common.model_source import ModelSource, resolve_model
 from tessera_engine.models.llama import LlamaForCausalLM
-from tessera_engine.models.quantized import read_gguf_quantized
+from tessera_engine.models.quantized import read_gguf_dequantized, read_gguf_quantized
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +61,27 @@ def load_hf_config(src: ModelSource):
     return config
 
 
-def _gguf_state_dict(src: ModelSource, hf_config) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no tqdm bars in structured logs
-
-    with torch.device("meta"):  # only names and shapes are needed for the name map
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
-    result = load_gguf_checkpoint(str(src.path), return_tensors=True, model_to_load=skeleton)
-    return result["tensors"]
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
-def _safetensors_state_dict(directory: pathlib.Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _safetensors_tensors(directory: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The directory's tensors one at a time (each file memory-mapped, not read whole)."""
+    from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
-    return state
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
 
 
 class LoadedModel(NamedTuple):
@@ -100,10 +100,13 @@ def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
     if hf_config.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_config.model_type!r} not supported (supported: {sorted(SUPPORTED)})")
     max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-    state = _gguf_state_dict(src, hf_config) if src.gguf_file else _safetensors_state_dict(src.directory)
-    net = LlamaForCausalLM(hf_config, max_len)
-    net.load_hf_state_dict(state)
-    del state
+    # built in its dtype and filled a tensor at a time: never a float32 copy of the whole model
+    with _default_dtype(dtype):
+        net = LlamaForCausalLM(hf_config, max_len)
+    if src.gguf_file:
+        net.load_hf_state_dict(read_gguf_dequantized(str(src.path), hf_config))
+    else:
+        net.load_hf_state_dict(_safetensors_tensors(src.directory))
     quantized = {}
     if src.gguf_file and keep_quantized and device.type == "cpu":
         quantized = read_gguf_quantized(str(src.path), hf_config)

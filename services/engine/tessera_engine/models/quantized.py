@@ -9,7 +9,7 @@ a decode step reads ~0.6 bytes a weight instead of 2 (bf16) or 4 (fp32).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -34,24 +34,68 @@ class QuantizedWeight(NamedTuple):
         return QuantizedWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype)
 
 
-def read_gguf_quantized(path: str, hf_config) -> dict[str, QuantizedWeight]:
-    """The file's tensors of a type in QTYPES, by HF parameter name (e.g.
-    "model.layers.0.self_attn.q_proj.weight"); other tensors are left to the dense loader."""
-    from gguf import GGUFReader
+def gguf_name_map(reader, hf_config):
+    """transformers' tensor processor for the file's architecture (it undoes llama.cpp's q/k row
+    order), with the config keys it reads, and its map of GGUF tensor names to HF names."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
 
-    reader = GGUFReader(path)
     arch_field = reader.fields["general.architecture"]
     architecture = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    # transformers' processor for this architecture, with the config keys it reads (heads)
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config={
         "num_attention_heads": hf_config.num_attention_heads,
         "num_key_value_heads": getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads)})
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    return processor, get_gguf_hf_weights_map(skeleton, processor)
+
+
+def read_gguf_dequantized(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors one at a time, dequantized to float32 and named as in HF, exactly as
+    transformers' GGUF reader makes them (gguf-py's dequantize, then its processor), without
+    ever holding the whole model in float32 (its reader returns every tensor at once: 540 MiB
+    for the default model, ~28 GB for a 7B)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    processor, names = gguf_name_map(reader, hf_config)
+    for tensor in reader.tensors:
+        result = processor.process(weights=_dequantize(tensor), name=tensor.name,
+                                   tensor_key_mapping=names, parsed_parameters={})
+        if result.name in names:
+            w = result.weights
+            if not (w.flags.owndata and w.flags.writeable and w.flags.c_contiguous):
+                w = np.copy(w)  # a view of the file's mapping, or of a bigger array
+            yield names[result.name], torch.from_numpy(w)
+
+
+def _dequantize(tensor, chunk_bytes: int = 1 << 23) -> np.ndarray:
+    """gguf-py's dequantize, a few rows at a time for a big tensor: its float32 temporaries
+    are several times the output (~0.3 GiB for the default model's embedding at once). Blocks
+    never span rows, so every value is the one a single call computes."""
+    from gguf import dequantize
+
+    data = tensor.data
+    rows = data.shape[0] if data.ndim == 2 else 0
+    if rows < 2 or data.nbytes <= chunk_bytes:
+        return dequantize(data, tensor.tensor_type)
+    step = max(1, rows * chunk_bytes // data.nbytes)
+    first = dequantize(data[:step], tensor.tensor_type)
+    out = np.empty((rows,) + first.shape[1:], dtype=first.dtype)
+    out[:step] = first
+    for r in range(step, rows, step):
+        out[r:r + step] = dequantize(data[r:r + step], tensor.tensor_type)
+    return out
+
+
+def read_gguf_quantized(path: str, hf_config) -> dict[str, QuantizedWeight]:
+    """The file's tensors of a type in QTYPES, by HF parameter name (e.g.
+    "model.layers.0.self_attn.q_proj.weight"); other tensors are left to the dense loader."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    processor, names = gguf_name_map(reader, hf_config)
     out: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         qtype = int(tensor.tensor_type)

@@ -100,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "< --quiet-cores cores (0 = never wait)")
     ap.add_argument("--quiet-cores", type=float, default=0.3)
     ap.add_argument("--no-hf", action="store_true", help="engine only (no baseline, no ratios)")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="quantized: also run llama.cpp's single-request decode on the same GGUF, runs alternating "
+                         "(llama-cpp-python is installed once into <TESSERA_BENCH_CACHE>/llama-cpp-venv)")
     ap.add_argument("--profile", action="store_true",
                     help="after the scenarios, run batch64 once more on the engine with a step-time breakdown")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
@@ -432,18 +435,31 @@ def scenario_single(bench: Bench, prompt: list[int], reps: int) -> dict:
 
 def scenario_quantized(bench: Bench, prompts: list[list[int]], reps: int) -> dict:
     """The GGUF's quantized weights (the default) against --gguf-dequantize on the same loaded
-    model, runs alternating: single-request decode and the batch64 workload."""
+    model, runs alternating: single-request decode and the batch64 workload; with --llama-cpp,
+    llama.cpp's single-request decode on the same file and prompt joins the single rotation."""
     a = bench.args
     out: dict = {"workload": "single: 1 request x --single-tokens; batch64: --num-prompts x --output-tokens; "
                              "greedy, ignore_eos; quantized = default, dense = --gguf-dequantize"}
+    llama_py = None
+    if a.llama_cpp:
+        import llama_cpp_peer
+
+        llama_py = llama_cpp_peer.ensure_llama_cpp(llama_cpp_peer.default_venv())
     for name, ps, mt in (("single", [prompts[2]], [a.single_tokens]),
                          ("batch64", prompts, [a.output_tokens] * len(prompts))):
         runs: dict[str, list[dict]] = {"quantized": [], "dense": []}
+        order = [("quantized", False), ("dense", True)]
+        if llama_py is not None and name == "single":
+            runs["llama.cpp"] = []
+            order.append(("llama.cpp", None))
         for r in range(reps):
-            order = [("quantized", False), ("dense", True)]
             for side, dequantize in (order if r % 2 == 0 else order[::-1]):
                 wait_for_quiet(a.wait_quiet, a.quiet_cores, log)
-                res = bench.run_engine(ps, mt, ignore_eos=True, gguf_dequantize=dequantize)
+                if dequantize is None:
+                    res = llama_cpp_peer.single_decode(llama_py, str(bench.src.path), ps[0], mt[0])
+                    res["_tokens"] = [res.pop("tokens")]
+                else:
+                    res = bench.run_engine(ps, mt, ignore_eos=True, gguf_dequantize=dequantize)
                 runs[side].append(res)
                 log(f"[quantized/{name} {r + 1}/{reps}] {side:9s} {res['tokens_per_s']:8.1f} tok/s  "
                     f"tpot {res['tpot_median_s'] * 1e3:6.2f} ms  ttft {res['ttft_median_s']:.3f} s")
@@ -453,6 +469,17 @@ def scenario_quantized(bench: Bench, prompts: list[list[int]], reps: int) -> dic
                      "ratio_decode": _ratio(d["tpot_median_s"]["median"], q["tpot_median_s"]["median"]),
                      "quantized_runs": [_strip(r) for r in runs["quantized"]],
                      "dense_runs": [_strip(r) for r in runs["dense"]]}
+        if runs.get("llama.cpp"):
+            lc = _medians(runs["llama.cpp"])
+            out[name]["llama_cpp"] = lc
+            out[name]["llama_cpp_runs"] = [_strip(r) for r in runs["llama.cpp"]]
+            # decode speed against llama.cpp's: its TPOT over ours
+            out[name]["ratio_decode_vs_llama_cpp"] = _ratio(lc["tpot_median_s"]["median"], q["tpot_median_s"]["median"])
+            lc_eval = median([r["eval_tpot_median_s"] for r in runs["llama.cpp"]])
+            out[name]["llama_cpp_decode_only_tpot_s"] = lc_eval
+            out[name]["ratio_decode_vs_llama_cpp_decode_only"] = _ratio(lc_eval, q["tpot_median_s"]["median"])
+            ours, theirs = runs["quantized"][0]["_tokens"][0], runs["llama.cpp"][0]["_tokens"][0]
+            out[name]["same_tokens_as_llama_cpp"] = _common_prefix(ours, theirs)
     return out
 
 
@@ -561,10 +588,16 @@ def print_table(results: dict) -> None:
             add(f"{name} quantized", part["quantized"],
                 part["ratio_decode"] if name == "single" else part["ratio_tokens_per_s"])
             add(f"{name} dense", part["dense"])
+            if "llama_cpp" in part:
+                add(f"{name} llama.cpp", part["llama_cpp"], part["ratio_decode_vs_llama_cpp"])
+                print(f"llama.cpp decode only (llama_decode of one token, no sampling): "
+                      f"{part['llama_cpp_decode_only_tpot_s'] * 1e3:.2f} ms, our quantized TPOT / it: "
+                      f"{1 / part['ratio_decode_vs_llama_cpp_decode_only']:.3f}")
     for line in format_table(("scenario", "out tok/s", "TTFT s", "TPOT ms", "RSS MiB", "ratio"), rows):
         print(line)
     print("(medians over repeats; ratio = engine/HF tokens/s, single: HF TPOT / engine TPOT (decode); "
-          "quantized rows: against --gguf-dequantize, single by decode TPOT)")
+          "quantized rows: against --gguf-dequantize, single by decode TPOT; llama.cpp row: "
+          "its TPOT / our quantized TPOT)")
 
 
 def evaluate_targets(results: dict) -> dict:

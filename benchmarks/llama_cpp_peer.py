@@ -1,0 +1,129 @@
+"""llama.cpp as a peer for single-request decode on the same GGUF file (issue 21, item 5).
+
+llama.cpp runs the file's quantized weights as they are, which is what tessera's quantized
+path does too. It is installed once from PyPI (llama-cpp-python, built from source for
+this CPU: a few minutes) into its own venv outside the project, and each measurement runs
+in a fresh worker process of that venv: load the file, one warm-up generation, then one
+timed greedy generation of the same prompt token ids and length as ours (through the
+binding's Python generate loop, as a user of llama-cpp-python runs it), and the same tokens
+fed back one llama_decode at a time without sampling (what llama.cpp's llama-bench times).
+
+    python benchmarks/llama_cpp_peer.py --prompt-ids 1,504,3458 --tokens 256   # one measurement
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+LLAMA_CPP_VERSION = "0.3.36"
+READY_STAMP = ".tessera-ready"
+
+
+def default_venv() -> pathlib.Path:
+    cache = os.environ.get("TESSERA_BENCH_CACHE", str(pathlib.Path.home() / ".cache" / "tessera-bench"))
+    return pathlib.Path(cache).expanduser() / "llama-cpp-venv"
+
+
+def ensure_llama_cpp(venv: pathlib.Path, skip_install: bool = False) -> pathlib.Path:
+    """The venv's python, with llama-cpp-python installed (once)."""
+    py = venv / "bin" / "python"
+    if (venv / READY_STAMP).exists() or (skip_install and py.exists()):
+        return py
+    if skip_install:
+        raise SystemExit(f"no llama.cpp venv at {venv}")
+    print(f"installing llama-cpp-python=={LLAMA_CPP_VERSION} into {venv} (once; builds llama.cpp, minutes) ...",
+          file=sys.stderr, flush=True)
+    if not py.exists():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True)
+    check = subprocess.run([str(py), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise SystemExit(f"the llama.cpp venv does not import llama_cpp:\n{check.stderr[-2000:]}")
+    (venv / READY_STAMP).write_text(check.stdout)
+    return py
+
+
+def single_decode(py: pathlib.Path, gguf: str, prompt_ids: list[int], num_tokens: int) -> dict:
+    """One timed greedy generation in a fresh llama.cpp worker: decode tok/s (1 / median
+    time between tokens), time to first token, the tokens."""
+    out = subprocess.run([str(py), __file__, "--worker", "--gguf", gguf, "--tokens", str(num_tokens),
+                          "--prompt-ids", ",".join(map(str, prompt_ids))],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _worker(gguf: str, prompt_ids: list[int], num_tokens: int) -> dict:
+    from llama_cpp import Llama
+
+    # all cores, for decode too (the binding's default is half the cores for decode; on the
+    # 2-core machine 1 and 2 threads decoded alike, 6.8 and 6.7 ms), the prompt in one batch
+    cores = os.cpu_count() or 1
+    llm = Llama(model_path=gguf, n_ctx=max(2048, len(prompt_ids) + num_tokens), n_batch=512, n_threads=cores,
+                n_threads_batch=cores, verbose=False)
+
+    def run() -> dict:
+        stamps, tokens = [], []
+        t0 = time.perf_counter()
+        for tok in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            tokens.append(tok)
+            if len(tokens) >= num_tokens:
+                break
+        gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+        tpot = gaps[len(gaps) // 2]
+        return {"ttft_median_s": stamps[0] - t0, "tpot_median_s": tpot, "decode_tokens_per_s": 1.0 / tpot,
+                "tokens_per_s": len(tokens) / (stamps[-1] - t0), "output_tokens": len(tokens), "tokens": tokens,
+                "threads": llm.n_threads}
+
+    def decode_only(tokens: list[int]) -> float:
+        """Median time of one llama_decode of a single token (llm.eval), no sampling: what
+        llama.cpp's own llama-bench "tg" figure times. The same tokens, fed back in turn."""
+        llm.reset()
+        llm.eval(prompt_ids)
+        gaps = []
+        for tok in tokens[:-1]:
+            t = time.perf_counter()
+            llm.eval([tok])
+            gaps.append(time.perf_counter() - t)
+        gaps.sort()
+        return gaps[len(gaps) // 2]
+
+    run()  # warm-up: first use of each batch shape
+    res = run()
+    res["eval_tpot_median_s"] = decode_only(res["tokens"])
+    res["eval_decode_tokens_per_s"] = 1.0 / res["eval_tpot_median_s"]
+    return res
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default=None, help="GGUF file (default: the embedded default model)")
+    ap.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--venv", default=None, help="the llama.cpp venv (default <TESSERA_BENCH_CACHE>/llama-cpp-venv)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
+    if a.worker:
+        print(json.dumps(_worker(a.gguf, ids, a.tokens)))
+        return
+    if a.gguf is None:
+        from tessera.common.model_source import resolve_model
+
+        a.gguf = str(resolve_model(None).path)
+    py = ensure_llama_cpp(pathlib.Path(a.venv) if a.venv else default_venv())
+    res = single_decode(py, a.gguf, ids, a.tokens)
+    res.pop("tokens")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

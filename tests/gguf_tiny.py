@@ -22,8 +22,12 @@ What the file gets, per llama.cpp's conventions:
 
 No tokenizer is written: neither loader needs one when {arch}.vocab_size is there.
 
-Weights are stored in the type `types(gguf_name, array)` chooses; F32, F16, and Q8_0 / Q4_0 /
-Q4_1 quantized by gguf-py's reference quantizer (2-D tensors with rows a multiple of 32 only).
+Weights are stored in the type `types(gguf_name, array)` chooses; F32, F16, Q8_0 / Q4_0 /
+Q4_1 quantized by gguf-py's reference quantizer (2-D tensors with rows a multiple of 32 only),
+and the K-quants Q4_K / Q5_K / Q6_K (rows a multiple of 256), for which gguf-py has no
+quantizer: quantize_kquant below makes valid super-blocks with a plain min/max scheme (not
+llama.cpp's error-minimizing search; the readers only need valid blocks, and every reader
+dequantizes them with gguf-py's reference).
 """
 from __future__ import annotations
 
@@ -37,10 +41,13 @@ import torch
 import gguf
 from gguf import GGMLQuantizationType as T
 
-QUANTIZED = {T.Q8_0, T.Q4_0, T.Q4_1}
+KQUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
+QUANTIZED = {T.Q8_0, T.Q4_0, T.Q4_1} | KQUANTS
 FILE_TYPES = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16,
               T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, T.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
-              T.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}
+              T.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1, T.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
+              T.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M, T.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}
+QK_K = 256
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 TypeChooser = Callable[[str, np.ndarray], T]
@@ -50,8 +57,65 @@ def all_f32(name: str, array: np.ndarray) -> T:
     return T.F32
 
 
-def quantizable(array: np.ndarray) -> bool:
-    return array.ndim == 2 and array.shape[1] % 32 == 0
+def quantizable(array: np.ndarray, qtype: T | None = None) -> bool:
+    """A 2-D tensor whose rows are whole blocks of `qtype` (32 weights; K-quants 256; any
+    block type when None)."""
+    return array.ndim == 2 and array.shape[1] % (QK_K if qtype in KQUANTS else 32) == 0
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    """float16 as stored, and its float32 value."""
+    h = x.astype(np.float16)
+    return h, h.astype(np.float32)
+
+
+def quantize_kquant(w: np.ndarray, qtype: T) -> np.ndarray:
+    """float32 [rows, K] (K a multiple of 256) -> uint8 [rows, K / 256 * block bytes]: valid
+    Q4_K / Q5_K / Q6_K super-blocks in llama.cpp's layout (that gguf-py's dequantize reads).
+    Q4_K / Q5_K: per sub-block of 32, an offset (minus the minimum, or 0) and a step covering
+    its range in 15 / 31 levels; both as 6-bit multiples of the super-block's float16 dmin / d.
+    Q6_K: per sub-block of 16, a signed step (max |w| / 31) as an int8 multiple of d; quants
+    -32..31 stored plus 32."""
+    rows, k = w.shape
+    assert k % QK_K == 0, f"{qtype.name} needs rows a multiple of {QK_K}"
+    x = w.astype(np.float32).reshape(-1, QK_K)  # one super-block per row
+    nb = x.shape[0]
+    if qtype == T.Q6_K:
+        sub = x.reshape(nb, 16, 16)
+        step = np.abs(sub).max(axis=-1) / 31                     # [nb, 16]
+        d16, d = _f16(np.abs(step).max(axis=-1, keepdims=True) / 127)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.where(d > 0, np.round(step / d), 0).clip(-127, 127).astype(np.int8)
+            eff = (d * sc.astype(np.float32))[..., None]
+            q = np.where(eff != 0, np.round(sub / eff), 0).clip(-32, 31).astype(np.int16) + 32
+        q = q.reshape(nb, 2, 4, 32).astype(np.uint8)              # c, t, l: weight 128 c + 32 t + l
+        lo, hi = q & 15, q >> 4
+        ql = (lo[:, :, 0:2] | (lo[:, :, 2:4] << 4)).reshape(nb, 128)  # ql[64 c + 32 (t & 1) + l] >> 4 (t / 2)
+        qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
+        blocks = np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8)], axis=-1)
+        return blocks.reshape(rows, -1)
+    levels = 15 if qtype == T.Q4_K else 31
+    sub = x.reshape(nb, 8, 32)
+    offset = np.maximum(-sub.min(axis=-1), 0)                    # [nb, 8], w + offset >= 0
+    step = (sub.max(axis=-1) + offset) / levels
+    d16, d = _f16(step.max(axis=-1, keepdims=True) / 63)
+    m16, dmin = _f16(offset.max(axis=-1, keepdims=True) / 63)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.round(step / d), 0).clip(0, 63).astype(np.uint8)
+        mn = np.where(dmin > 0, np.round(offset / dmin), 0).clip(0, 63).astype(np.uint8)
+        eff_d = (d * sc.astype(np.float32))[..., None]
+        eff_m = (dmin * mn.astype(np.float32))[..., None]
+        q = np.where(eff_d > 0, np.round((sub + eff_m) / eff_d), 0).clip(0, levels).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=-1)
+    lo = (q & 15).reshape(nb, 4, 2, 32)                          # sub-block 2 i + s: nibble s of qs[32 i ..]
+    qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)
+    parts = [d16.view(np.uint8), m16.view(np.uint8), scales]
+    if qtype == T.Q5_K:                                          # bit j of qh[l]: sub-block j's fifth bit
+        bits = (q >> 4).reshape(nb, 8, 32)
+        parts.append(np.bitwise_or.reduce(bits << np.arange(8, dtype=np.uint8)[None, :, None], axis=1))
+    blocks = np.concatenate(parts + [qs], axis=-1)
+    return blocks.reshape(rows, -1)
 
 
 def mixed(embedding: T = T.Q8_0, linear: T = T.Q4_1, output: T | None = None) -> TypeChooser:
@@ -148,8 +212,11 @@ def gguf_tensors(model) -> list[tuple[str, str | None, np.ndarray]]:
 def _stored(name: str, w: np.ndarray, qtype: T) -> tuple[np.ndarray, T | None]:
     """(the array to write, its raw ggml type or None for a plain F32 / F16 array)."""
     if qtype in QUANTIZED:
-        if not quantizable(w):
-            raise ValueError(f"{name} {w.shape}: {qtype.name} needs a 2-D tensor with rows a multiple of 32")
+        if not quantizable(w, qtype):
+            raise ValueError(f"{name} {w.shape}: {qtype.name} needs a 2-D tensor with rows a multiple of "
+                             f"{QK_K if qtype in KQUANTS else 32}")
+        if qtype in KQUANTS:
+            return quantize_kquant(np.ascontiguousarray(w), qtype), qtype
         return gguf.quants.quantize(np.ascontiguousarray(w), qtype), qtype
     if qtype == T.F16:
         return w.astype(np.float16), None

@@ -29,26 +29,61 @@ def generic_kernels(tmp_path_factory):
     return cpu_kernels._load_prebuilt(str(out))
 
 
+# the K-quants: ggml type -> bytes of a 256-weight super-block (gguf-py has no quantizer for them)
+KQUANTS = {12: 144, 13: 176, 14: 210}
+
+
+def random_kquant_blocks(n: int, k: int, qtype: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, k / 256 * block bytes]: valid K-quant super-blocks of random bytes (quants,
+    packed 6-bit scales and mins, Q6_K's int8 scales), the float16 scale fields set to finite
+    values of a weight-like magnitude (d * scale * q up to ~0.1 - 0.5)."""
+    rng = np.random.default_rng(seed)
+    nb = k // 256
+    raw = rng.integers(0, 256, (n, nb, KQUANTS[qtype]), dtype=np.uint8)
+
+    def halves(scale: float, signed: bool = False) -> np.ndarray:
+        v = rng.uniform(0.5, 1.5, (n, nb, 1)) * scale
+        if signed:
+            v *= rng.choice([-1.0, 1.0], (n, nb, 1))
+        return v.astype(np.float16).view(np.uint8)
+
+    if qtype == 14:  # Q6_K: ql, qh, 16 int8 scales, then d
+        raw[..., 208:210] = halves(1.5e-4, signed=True)
+    else:            # Q4_K / Q5_K: d, dmin first
+        raw[..., 0:2] = halves(1e-4)
+        raw[..., 2:4] = halves(1e-3)
+    return raw.reshape(n, -1)
+
+
 def quantized(n: int, k: int, qtype: int, seed: int = 0):
-    """A random [n, k] weight quantized by gguf-py: (raw bytes as torch uint8, gguf-py's dequantization)."""
+    """A random [n, k] weight in ggml type `qtype` (quantized by gguf-py; K-quants: random valid
+    blocks): (raw bytes as torch uint8, gguf-py's dequantization)."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    raw = gguf.quantize(w, gguf.GGMLQuantizationType(qtype))
+    if qtype in KQUANTS:
+        raw = random_kquant_blocks(n, k, qtype, seed)
+    else:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        raw = gguf.quantize(w, gguf.GGMLQuantizationType(qtype))
     ref = gguf.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float32)
     return torch.from_numpy(np.ascontiguousarray(raw)), torch.from_numpy(ref.reshape(n, k))
+
+
+def test_qtypes_are_the_kernels_types():
+    assert QTYPES == {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 @pytest.mark.parametrize("variant", ["native", "generic"])
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_dequantize_and_embedding_are_bit_exact_with_gguf_py(qtype, variant, generic_kernels):
     kern = K if variant == "native" else generic_kernels
-    raw, ref = quantized(37, 96, qtype)
-    assert torch.equal(kern.qdequantize(raw, qtype, 96), ref)
+    k = 768 if qtype in KQUANTS else 96  # 3 blocks
+    raw, ref = quantized(37, k, qtype)
+    assert torch.equal(kern.qdequantize(raw, qtype, k), ref)
     ids = torch.tensor([0, 36, 5, 5])
     for dtype in (torch.float32, torch.bfloat16):
-        rows = kern.qembedding(ids, raw, qtype, 96, dtype)
+        rows = kern.qembedding(ids, raw, qtype, k, dtype)
         assert rows.dtype == dtype and torch.equal(rows, ref[ids].to(dtype))
 
 
@@ -58,7 +93,7 @@ def test_dequantize_and_embedding_are_bit_exact_with_gguf_py(qtype, variant, gen
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_qlinear_matches_the_dense_matmul_on_the_dequantized_weight(qtype, dtype, m, variant, generic_kernels):
     kern = K if variant == "native" else generic_kernels
-    n, k = 70, 160  # n not a multiple of the kernel's 4 rows, k of 5 blocks
+    n, k = 70, (512 if qtype in KQUANTS else 160)  # n not a multiple of the kernel's 4 rows, k of 2 / 5 blocks
     raw, ref = quantized(n, k, qtype, seed=qtype + m)
     torch.manual_seed(m)
     x = torch.randn(m, k).to(dtype)
@@ -76,14 +111,31 @@ def test_bad_quantized_inputs_are_clear_errors():
     raw, _ = quantized(8, 64, 3)
     with pytest.raises(RuntimeError, match="bytes a row"):
         K.qlinear(torch.randn(1, 96), raw, 3, None)  # K = 96 does not fit 40-byte rows
-    with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        K.qlinear(torch.randn(1, 64), raw, 12, None)
+    with pytest.raises(RuntimeError, match="unsupported ggml type 10 .*Q4_K=12, Q5_K=13, Q6_K=14"):
+        K.qlinear(torch.randn(1, 64), raw, 10, None)  # Q2_K
     with pytest.raises(RuntimeError, match="multiple of 32"):
         K.qdequantize(raw, 3, 48)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         K.qlinear(torch.randn(1, 64).half(), raw, 3, None)
     with pytest.raises(RuntimeError, match="outside"):
         K.qembedding(torch.tensor([8]), raw, 3, 64, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", sorted(KQUANTS))
+def test_bad_kquant_shapes_are_clear_errors(qtype):
+    name = QTYPES[qtype]
+    raw, _ = quantized(4, 512, qtype)
+    for bad_k in (96, 384):  # a multiple of 32, not of 256; a multiple of 32 and 128 only
+        with pytest.raises(RuntimeError, match=rf"K must be a multiple of 256 \(the block size of {name}\), got {bad_k}"):
+            K.qlinear(torch.randn(1, bad_k), raw, qtype, None)
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            K.qdequantize(raw, qtype, bad_k)
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            K.qembedding(torch.tensor([0]), raw, qtype, bad_k, torch.float32)
+    with pytest.raises(RuntimeError, match=rf"bytes a row do not hold K = 768 weights of ggml type {name}"):
+        K.qlinear(torch.randn(1, 768), raw, qtype, None)  # rows of 2 super-blocks, not 3
+    with pytest.raises(RuntimeError, match="bytes a row"):
+        K.qdequantize(raw[:, :-1].contiguous(), qtype, 512)
 
 
 def test_concat_keeps_one_type_only():

@@ -619,24 +619,52 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// ---- GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), used as they are -----------------
-// A quantized weight is llama.cpp's own bytes, uint8 [N, K / 32 * block bytes]: each row is
-// K / 32 blocks of 32 weights, a float16 scale d (and, for Q4_1, a float16 minimum m) and the
-// quants. Each block is dequantized as gguf-py's reference does it, in float32 and in its
-// order (Q4_1: d * q, then + m; no fused multiply-add), then rounded to the activations'
-// dtype: the weights the matmul sees are bit for bit those of the dequantized-at-load path,
-// and only the summation order differs. A thread dequantizes four weight rows at a time into
-// a buffer that stays in L1 and runs every activation row against them.
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // ggml's type numbers
+// ---- GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), used as they are --
+// A quantized weight is llama.cpp's own bytes, uint8 [N, K / block weights * block bytes]:
+// each row is a run of blocks. Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights: a float16 scale d
+// (and, for Q4_1, a float16 minimum m) and the quants. The K-quants' super-blocks hold 256
+// weights (QK_K) in sub-blocks with their own scales: Q4_K / Q5_K (144 / 176 bytes) a float16
+// d and dmin and eight 6-bit scales and mins packed in 12 bytes, scaling sub-blocks of 32
+// 4-bit (Q5_K: 5-bit, the fifth bit in 32 bytes of its own) quants as (d * sc) * q - (dmin * m);
+// Q6_K (210 bytes) 6-bit quants (low 4 bits, high 2 bits), sixteen int8 scales of 16-weight
+// sub-blocks and a float16 d last, (d * sc) * (q - 32). Each block is dequantized as gguf-py's
+// reference does it, in float32 and in its order (Q4_1: d * q, then + m; no fused
+// multiply-add), then rounded to the activations' dtype: the weights the matmul sees are bit
+// for bit those of the dequantized-at-load path, and only the summation order differs. A
+// thread dequantizes four weight rows at a time into a buffer that stays in L1 and runs every
+// activation row against them.
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };  // ggml's type numbers
+
+#define TESSERA_QTYPES_SUPPORTED "(supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)"
 
 constexpr int64_t q_block_bytes(int64_t qt) {
   switch (qt) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "quantized weight: unsupported ggml type ", qt, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: TORCH_CHECK(false, "quantized weight: unsupported ggml type ", qt, " " TESSERA_QTYPES_SUPPORTED);
   }
   return 0;
+}
+
+constexpr bool is_kquant(int64_t qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
+
+// weights per block: 32, or QK_K = 256 for the K-quants
+constexpr int64_t q_block_weights(int64_t qt) { return is_kquant(qt) ? 256 : 32; }
+
+inline const char* q_type_name(int64_t qt) {
+  switch (qt) {
+    case kQ4_0: return "Q4_0";
+    case kQ4_1: return "Q4_1";
+    case kQ8_0: return "Q8_0";
+    case kQ4_K: return "Q4_K";
+    case kQ5_K: return "Q5_K";
+    case kQ6_K: return "Q6_K";
+    default: return "?";
+  }
 }
 
 inline float half_to_float(const uint8_t* p) {
@@ -649,10 +677,62 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// One block -> 32 float32, exactly as gguf-py's dequantize_blocks. Kept out of line with
-// contraction off so that d * q + m is two roundings, as numpy's.
+// Q4_K / Q5_K's 12 bytes of packed 6-bit scales and mins -> sc[8], mn[8] (gguf-py's
+// Q4_K.get_scale_min): bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales
+// 4-7, bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of scales (and mins) 4-7.
+inline void kquant_scale_min(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 0x3F;
+    mn[j] = s[j + 4] & 0x3F;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+  }
+}
+
+// One K-quant super-block -> 256 float32, exactly as gguf-py's dequantize_blocks (contraction
+// off: d_j * q - m_j is two roundings):
+//   Q4_K / Q5_K: sub-block j (32 weights) of d_j = d * sc_j, m_j = dmin * mn_j; w = d_j * q - m_j,
+//     q = the low (j even) or high (j odd) nibbles of qs[32 (j / 2) ..][32] (Q5_K: | bit j of
+//     qh[l] << 4);
+//   Q6_K: weight p = 128 c + 32 t + l (c < 2, t < 4, l < 32) has q = (ql[64 c + 32 (t & 1) + l]
+//     >> 4 (t / 2)) & 15 | ((qh[32 c + l] >> 2 t) & 3) << 4; w = (d * scales[p / 16]) * (q - 32).
+__attribute__((noinline, optimize("fp-contract=off")))
+void dequant_kblock_scalar(const uint8_t* b, int64_t qt, float* out) {
+  if (qt == kQ6_K) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int p = 0; p < 256; ++p) {
+      const int c = p / 128, t = (p % 128) / 32, l = p % 32;
+      const int lo = (ql[64 * c + 32 * (t & 1) + l] >> (4 * (t / 2))) & 15;
+      const int hi = (qh[32 * c + l] >> (2 * t)) & 3;
+      const float ds = d * static_cast<float>(sc[p / 16]);
+      out[p] = ds * static_cast<float>((lo | (hi << 4)) - 32);
+    }
+    return;
+  }
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  uint8_t sc[8], mn[8];
+  kquant_scale_min(b + 4, sc, mn);
+  const uint8_t* qh = b + 16;                        // Q5_K only
+  const uint8_t* qs = b + (qt == kQ5_K ? 48 : 16);
+  for (int j = 0; j < 8; ++j) {
+    const float dj = d * static_cast<float>(sc[j]), mj = dmin * static_cast<float>(mn[j]);
+    for (int l = 0; l < 32; ++l) {
+      int q = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
+      if (qt == kQ5_K) q |= ((qh[l] >> j) & 1) << 4;
+      const float dq = dj * static_cast<float>(q);
+      out[32 * j + l] = dq - mj;
+    }
+  }
+}
+
+// One block -> 32 float32 (a K-quant super-block: 256), exactly as gguf-py's dequantize_blocks.
+// Kept out of line with contraction off so that d * q + m is two roundings, as numpy's.
 __attribute__((noinline, optimize("fp-contract=off")))
 void dequant_block_scalar(const uint8_t* b, int64_t qt, float* out) {
+  if (is_kquant(qt)) return dequant_kblock_scalar(b, qt, out);
   const float d = half_to_float(b);
   if (qt == kQ8_0) {
     const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
@@ -704,6 +784,59 @@ inline void dequant_block16x2(const uint8_t* b, __m512& lo, __m512& hi) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// One K-quant super-block -> 256 float32 with AVX-512, bit for bit dequant_kblock_scalar's:
+// the per-sub-block scales are the same scalar float products, and the _round_ forms are
+// never contracted into a fused multiply-add.
+template <int64_t qt>
+inline void dequant_kblock_avx512(const uint8_t* b, float* out) {
+  constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  if constexpr (qt == kQ6_K) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_to_float(b + 208);
+    const __m512i three = _mm512_set1_epi32(3), m32 = _mm512_set1_epi32(32);
+    for (int p = 0; p < 256; p += 16) {  // 16 weights of one sub-block
+      const int c = p / 128, t = (p % 128) / 32, l = p % 32;
+      const __m512i lo = _mm512_and_si512(
+          _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 64 * c + 32 * (t & 1) + l))),
+                           _mm_cvtsi32_si128(4 * (t / 2))), low4);
+      const __m512i hi = _mm512_and_si512(
+          _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 32 * c + l))),
+                           _mm_cvtsi32_si128(2 * t)), three);
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), m32));
+      const __m512 ds = _mm512_set1_ps(d * static_cast<float>(sc[p / 16]));
+      _mm512_storeu_ps(out + p, _mm512_mul_round_ps(ds, q, kRn));
+    }
+  } else {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    uint8_t sc[8], mn[8];
+    kquant_scale_min(b + 4, sc, mn);
+    const uint8_t* qh = b + 16;  // Q5_K only
+    const uint8_t* qs = b + (qt == kQ5_K ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 dj = _mm512_set1_ps(d * static_cast<float>(sc[j]));
+      const __m512 mj = _mm512_set1_ps(dmin * static_cast<float>(mn[j]));
+      for (int h = 0; h < 32; h += 16) {
+        __m512i q = _mm512_and_si512(
+            _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (j / 2) + h))),
+                             _mm_cvtsi32_si128(4 * (j & 1))), low4);
+        if constexpr (qt == kQ5_K) {
+          const __m512i bit = _mm512_and_si512(
+              _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + h))),
+                               _mm_cvtsi32_si128(j)), _mm512_set1_epi32(1));
+          q = _mm512_or_si512(q, _mm512_slli_epi32(bit, 4));
+        }
+        _mm512_storeu_ps(out + 32 * j + h,
+                         _mm512_sub_round_ps(_mm512_mul_round_ps(dj, _mm512_cvtepi32_ps(q), kRn), mj, kRn));
+      }
+    }
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 inline __m512 bcast_half(const uint8_t* p) { return _mm512_set1_ps(half_to_float(p)); }
 
@@ -734,6 +867,21 @@ inline __m512i dequant_block_bf16(const uint8_t* b) {
 template <typename T, int64_t qt>
 inline void dequant_row(const uint8_t* row, int64_t nb, T* out) {
   const int64_t bb = q_block_bytes(qt);
+  if constexpr (is_kquant(qt)) {  // 256-weight super-blocks: float32, then rounded to T
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* b = row + j * bb;
+      alignas(64) float tmp[256];
+      float* o = tmp;
+      if constexpr (std::is_same_v<T, float>) o = out + 256 * j;
+#if defined(__AVX512F__)
+      dequant_kblock_avx512<qt>(b, o);
+#else
+      dequant_kblock_scalar(b, qt, o);
+#endif
+      if constexpr (!std::is_same_v<T, float>) from_float(tmp, out + 256 * j, 256);
+    }
+    return;
+  }
   for (int64_t j = 0; j < nb; ++j) {
     const uint8_t* b = row + j * bb;
 #if defined(__AVX512F__)
@@ -829,22 +977,27 @@ void dispatch_qtype(int64_t qt, F&& f) {
     case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
-    default: TORCH_CHECK(false, "quantized weight: unsupported ggml type ", qt, " (supported: Q4_0=2, Q4_1=3, Q8_0=8)");
+    case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
+    case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
+    default: TORCH_CHECK(false, "quantized weight: unsupported ggml type ", qt, " " TESSERA_QTYPES_SUPPORTED);
   }
 }
 
 void check_quantized(const at::Tensor& wq, int64_t qt, int64_t K, const char* what) {
   TORCH_CHECK(wq.dim() == 2 && wq.scalar_type() == at::kByte && wq.is_contiguous(),
               what, ": the quantized weight is a contiguous uint8 [N, row bytes]");
-  TORCH_CHECK(K > 0 && K % 32 == 0, what, ": K must be a multiple of 32, got ", K);
-  TORCH_CHECK(wq.size(1) == K / 32 * q_block_bytes(qt), what, ": ", wq.size(1),
-              " bytes a row do not hold K = ", K, " weights of ggml type ", qt);
+  const int64_t bb = q_block_bytes(qt), bw = q_block_weights(qt);  // (an unsupported type fails here)
+  TORCH_CHECK(K > 0 && K % bw == 0, what, ": K must be a multiple of ", bw, " (the block size of ",
+              q_type_name(qt), "), got ", K);
+  TORCH_CHECK(wq.size(1) == K / bw * bb, what, ": ", wq.size(1), " bytes a row do not hold K = ", K,
+              " weights of ggml type ", q_type_name(qt), " (", K / bw * bb, " bytes)");
 }
 
 // y = x W^T (+ bias) with W block-quantized: x [M, K] float32 or bfloat16 -> [M, N] of x's dtype.
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& wq, int64_t qt, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear: contiguous x [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0), nb = K / 32;
+  const int64_t M = x.size(0), K = x.size(1), N = wq.size(0), nb = K / q_block_weights(qt);
   check_quantized(wq, qt, K, "qlinear");
   std::vector<float> bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -965,7 +1118,7 @@ at::Tensor qembedding(const at::Tensor& ids, const at::Tensor& wq, int64_t qt, i
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "qembedding: ids [T] int64");
   check_quantized(wq, qt, K, "qembedding");
   at::Tensor idc = ids.contiguous();
-  const int64_t T = idc.size(0), V = wq.size(0), nb = K / 32, row_bytes = wq.size(1);
+  const int64_t T = idc.size(0), V = wq.size(0), nb = K / q_block_weights(qt), row_bytes = wq.size(1);
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "qembedding: id ", ip[t], " outside [0, ", V, ")");
   at::Tensor out = at::empty({T, K}, ids.options().dtype(dtype));
@@ -987,7 +1140,7 @@ at::Tensor qembedding(const at::Tensor& ids, const at::Tensor& wq, int64_t qt, i
 // A whole block-quantized weight -> float32 [N, K] (for tests: gguf-py's values bit for bit).
 at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K) {
   check_quantized(wq, qt, K, "qdequantize");
-  const int64_t N = wq.size(0), nb = K / 32, row_bytes = wq.size(1);
+  const int64_t N = wq.size(0), nb = K / q_block_weights(qt), row_bytes = wq.size(1);
   at::Tensor out = at::empty({N, K}, wq.options().dtype(at::kFloat));
   const uint8_t* wp = wq.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -1015,7 +1168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection", nogil);
   m.def("rope_and_cache_", &rope_and_cache_, "rotary on q and k in place; k and v written to the cache", nogil);
-  m.def("qlinear", &qlinear, "x W^T (+ bias), W block-quantized (GGUF Q4_0, Q4_1, Q8_0)", nogil);
+  m.def("qlinear", &qlinear, "x W^T (+ bias), W block-quantized (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)", nogil);
   m.def("qembedding", &qembedding, "rows of a block-quantized embedding table", nogil);
   m.def("qdequantize", &qdequantize, "a block-quantized weight as float32", nogil);
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum", nogil);

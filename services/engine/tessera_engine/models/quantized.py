@@ -1,11 +1,14 @@
 """GGUF block-quantized weights kept as the file has them, for the CPU kernels' qlinear.
 
-A GGUF file's Q4_0, Q4_1 and Q8_0 tensors are read as llama.cpp's own bytes (uint8
-[rows, row bytes]: blocks of 32 weights with their float16 scales), put through the same
-row permutation transformers' reader applies to dequantized Llama q/k weights, and named
-as the HF checkpoint names them. The model keeps them beside its dense weights and the
-CPU kernels dequantize them block by block inside the matmul (csrc/cpu_kernels.cpp), so
-a decode step reads ~0.6 bytes a weight instead of 2 (bf16) or 4 (fp32).
+A GGUF file's Q4_0, Q4_1, Q8_0 and K-quant Q4_K, Q5_K, Q6_K tensors (the types of the
+common Q4_K_M / Q5_K_M / Q6_K files) are read as llama.cpp's own bytes (uint8 [rows, row
+bytes]: blocks of 32 weights with their float16 scales; for the K-quants, super-blocks of
+256 weights with float16 super-scales and 6-bit / int8 sub-block scales, 144 / 176 / 210
+bytes each), put through the same row permutation transformers' reader applies to
+dequantized Llama q/k weights, and named as the HF checkpoint names them. The model keeps
+them beside its dense weights and the CPU kernels dequantize them block by block inside the
+matmul (csrc/cpu_kernels.cpp), so a decode step reads ~0.6-0.8 bytes a weight instead of 2
+(bf16) or 4 (fp32).
 """
 from __future__ import annotations
 
@@ -15,11 +18,11 @@ import numpy as np
 import torch
 
 # ggml type number -> name, for the types the kernels take
-QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 class QuantizedWeight(NamedTuple):
-    data: torch.Tensor  # uint8 [rows, K / 32 * block bytes], llama.cpp's block layout
+    data: torch.Tensor  # uint8 [rows, K / block weights (32, K-quants 256) * block bytes], llama.cpp's layout
     qtype: int           # ggml type number (QTYPES)
 
     @property

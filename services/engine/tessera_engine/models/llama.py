@@ -106,6 +106,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self._qkv, self._o = self.qkv_proj.forward, self.o_proj.forward  # see LlamaDecoderLayer
 
     def _normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         T, d = qkv.shape[0], self.head_dim
@@ -116,11 +117,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         k_cache, v_cache = kv_cache
-        qkv = self.qkv_proj(x)
+        qkv = self._qkv(x)
         if self.qk_norm:
             qkv = self._normalize_qk(qkv)
         q = self.backend.rope_and_cache(self.attn, qkv, cos, sin, k_cache, v_cache, meta)
-        return self.o_proj(self.backend.forward(self.attn, q, k_cache, v_cache, meta))
+        return self._o(self.backend.forward(self.attn, q, k_cache, v_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -130,9 +131,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, config.hidden_size, bias=False)
         self.ops: TorchOps = _TORCH_OPS
+        self._gate_up, self._down = self.gate_up_proj.forward, self.down_proj.forward  # see LlamaDecoderLayer
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self._down(self.ops.silu_and_mul(self._gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -142,18 +144,24 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        # The children's forward methods, bound once: a decode step makes ~270 module calls,
+        # and nn.Module.__call__ plus the submodule lookups cost ~0.4 ms of a 5.7 ms
+        # single-request step here (no hooks are used on these modules).
+        self._steps = (self.input_layernorm.forward, self.self_attn.forward,
+                       self.post_attention_layernorm.forward, self.mlp.forward)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """x: the previous layer's MLP output (or the embeddings, residual None) -> (this
         layer's MLP output, the residual stream before it); HF's two residual adds, fused
         into the norms that follow them."""
+        norm1, attn, norm2, mlp = self._steps
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, norm1(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h, residual = norm1(x, residual)
+        h = attn(h, cos, sin, kv_cache, meta)
+        h, residual = norm2(h, residual)
+        return mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
+        self._layer_steps = [layer.forward for layer in self.layers]  # see LlamaDecoderLayer
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(
@@ -184,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                              self.embed_tokens.weight.dtype))
         cos, sin = self.attention.rotary_tables(self.rotary, x.dtype, positions)
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
+        for layer, kv in zip(self._layer_steps, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 

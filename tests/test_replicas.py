@@ -33,9 +33,15 @@ LONG_CONTEXT = " ".join(f"Fact {i}: the archive keeps record number {i * 37} on 
 
 @pytest.fixture(scope="module")
 def replicas(stack):
-    """(engine A, engine B, frontend over both, its stub); B is stopped at the end."""
-    engine_b = Service("engine-b", "tessera_engine", stack.engine.port, list(stack.engine.args),
-                       stack.log_dir / "engine-b.log", host=B_HOST)
+    """(engine A, engine B, frontend over both, its stub); B is stopped at the end.
+
+    B runs one compute thread. Each engine takes every core by default, and two of them on
+    the machine's cores, both decoding, oversubscribe it: OpenMP threads spin at each parallel
+    region's barrier for a partner the other engine has descheduled. In a full run this once
+    took 30 s for 40 tokens, past B's drain timeout (two replicas on one host are given a share
+    of the cores each, as a user running them so would do)."""
+    engine_b = Service("engine-b", "tessera_engine", stack.engine.port,
+                       list(stack.engine.args) + ["--num-threads", "1"], stack.log_dir / "engine-b.log", host=B_HOST)
     frontend = frontend_service("frontend-replicas", stack.tokenizer.addr,
                                 f"{stack.engine.addr},{engine_b.addr}", stack.log_dir, "--engine-timeout-s", "3")
     with all_serving(engine_b, frontend), grpc.insecure_channel(frontend.addr) as channel:

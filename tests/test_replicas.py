@@ -171,7 +171,10 @@ def test_sigterm_drains_a_replica_without_failing_a_request(replicas):
     """SIGTERM on engine B under load: B turns NOT_SERVING, runs what it has to the end and exits 0;
     not one request fails, and requests sent during B's drain are served by A."""
     engine_a, engine_b, frontend, stub = replicas
-    running = [stub.Generate(_long_request(f"Write a long story about {t}.", f"drain-{i}", 40), timeout=180)
+    # long enough that B is still draining when the health check looks (one-thread B decodes
+    # 40 tokens in under a second: it had exited before the check could see NOT_SERVING)
+    n = 200
+    running = [stub.Generate(_long_request(f"Write a long story about {t}.", f"drain-{i}", n), timeout=180)
                for i, t in enumerate(TOPICS[:8])]
     tokens = {i: 0 for i in range(len(running))}
     for i, call in enumerate(running):  # every request has started (a first token came back)
@@ -189,7 +192,7 @@ def test_sigterm_drains_a_replica_without_failing_a_request(replicas):
     for i, call in enumerate(running):
         for response in call:
             tokens[i] += len(response.token_ids)
-    assert tokens == {i: 40 for i in range(len(running))}, tokens
+    assert tokens == {i: n for i in range(len(running))}, tokens
     assert all(r.usage.completion_tokens == 6 for r in during)
     # every request sent during the drain ended on A (one refused by B was retried there)
     final = {}

@@ -149,12 +149,13 @@ def test_concat_keeps_one_type_only():
 def test_the_default_models_quantized_tensors_are_its_dense_weights(model_source):
     """Every Q4_1 / Q8_0 tensor of the default GGUF, read as bytes (q/k rows permuted as
     transformers does), dequantizes bit for bit to transformers' dequantized state dict."""
-    from tessera_engine.models.loader import load_hf_config
+    from tessera_engine.models.loader import load_hf_config, open_gguf
     from tessera_engine.models.quantized import read_gguf_dequantized, read_gguf_quantized
 
-    cfg = load_hf_config(model_source)
-    q = read_gguf_quantized(str(model_source.path), cfg)
-    dense = dict(read_gguf_dequantized(str(model_source.path), cfg))
+    reader = open_gguf(model_source)
+    cfg = load_hf_config(model_source, reader)
+    q = read_gguf_quantized(reader, cfg)
+    dense = dict(read_gguf_dequantized(reader, cfg))
     assert len(q) == 7 * cfg.num_hidden_layers + 1  # every linear layer and the tied embedding
     assert {w.type_name for w in q.values()} == {"Q4_1", "Q8_0"}
     for name, w in q.items():
@@ -167,14 +168,14 @@ def test_the_loader_reads_one_tensor_at_a_time_what_transformers_reads_at_once(m
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from tessera_engine.models.loader import load_hf_config
+    from tessera_engine.models.loader import load_hf_config, open_gguf
     from tessera_engine.models.quantized import read_gguf_dequantized
 
     cfg = load_hf_config(model_source)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(cfg)
     ref = load_gguf_checkpoint(str(model_source.path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    ours = dict(read_gguf_dequantized(str(model_source.path), cfg))
+    ours = dict(read_gguf_dequantized(open_gguf(model_source), cfg))
     assert ours.keys() == ref.keys() and len(ours) > 200
     for name, w in ref.items():
         assert ours[name].dtype == w.dtype and torch.equal(ours[name], w), name

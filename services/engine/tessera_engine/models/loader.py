@@ -24,7 +24,15 @@ log = logging.getLogger(__name__)
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
 
 
-def load_hf_config(src: ModelSource):
+def open_gguf(src: ModelSource):
+    """The GGUF file's reader, for load_hf_config and the weight readers to share: parsing the
+    default model's metadata (its 49k-token vocabulary) takes ~1.6 s a time here."""
+    from gguf import GGUFReader
+
+    return GGUFReader(str(src.path))
+
+
+def load_hf_config(src: ModelSource, reader=None):
     """The model's transformers config; for a GGUF file, transformers' reading of its metadata
     with what that reading misses for the families we run made good:
       - a "llama" file whose general.name is exactly "mistral" is read by transformers as a
@@ -35,15 +43,14 @@ def load_hf_config(src: ModelSource):
         config would keep its class default, 128), so it is set from the file;
       - a rope_freqs tensor (how llama.cpp stores Llama 3 rope scaling: one divisor per rotary
         frequency) is not read by transformers; its values go on the config as
-        `rope_freq_factors`, which models/rotary.py applies."""
+        `rope_freq_factors`, which models/rotary.py applies.
+    reader: open_gguf(src), when the caller has it already."""
     from transformers import AutoConfig
 
     if not src.gguf_file:
         return AutoConfig.from_pretrained(src.directory)
-    from gguf import GGUFReader
-
     config = AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file)
-    reader = GGUFReader(str(src.path))
+    reader = reader or open_gguf(src)
     field = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
     arch = field("general.architecture")
     if arch == "llama" and config.model_type == "mistral":
@@ -96,7 +103,8 @@ def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
     """keep_quantized: also keep a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as the file has them
     (models/quantized.py), for the CPU kernels' quantized matmul; CPU only."""
     src = resolve_model(model)
-    hf_config = load_hf_config(src)
+    reader = open_gguf(src) if src.gguf_file else None
+    hf_config = load_hf_config(src, reader)
     if hf_config.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_config.model_type!r} not supported (supported: {sorted(SUPPORTED)})")
     max_len = max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -104,12 +112,12 @@ def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
     with _default_dtype(dtype):
         net = LlamaForCausalLM(hf_config, max_len)
     if src.gguf_file:
-        net.load_hf_state_dict(read_gguf_dequantized(str(src.path), hf_config))
+        net.load_hf_state_dict(read_gguf_dequantized(reader, hf_config))
     else:
         net.load_hf_state_dict(_safetensors_tensors(src.directory))
     quantized = {}
     if src.gguf_file and keep_quantized and device.type == "cpu":
-        quantized = read_gguf_quantized(str(src.path), hf_config)
+        quantized = read_gguf_quantized(reader, hf_config)
         net.load_quantized(quantized)
     net = net.to(device=device, dtype=dtype).eval()
     net.requires_grad_(False)

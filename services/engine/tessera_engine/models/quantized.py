@@ -54,14 +54,11 @@ def gguf_name_map(reader, hf_config):
     return processor, get_gguf_hf_weights_map(skeleton, processor)
 
 
-def read_gguf_dequantized(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def read_gguf_dequantized(reader, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's tensors one at a time, dequantized to float32 and named as in HF, exactly as
     transformers' GGUF reader makes them (gguf-py's dequantize, then its processor), without
     ever holding the whole model in float32 (its reader returns every tensor at once: 540 MiB
-    for the default model, ~28 GB for a 7B)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    for the default model, ~28 GB for a 7B). reader: the file's gguf.GGUFReader."""
     processor, names = gguf_name_map(reader, hf_config)
     for tensor in reader.tensors:
         result = processor.process(weights=_dequantize(tensor), name=tensor.name,
@@ -92,12 +89,10 @@ def _dequantize(tensor, chunk_bytes: int = 1 << 23) -> np.ndarray:
     return out
 
 
-def read_gguf_quantized(path: str, hf_config) -> dict[str, QuantizedWeight]:
+def read_gguf_quantized(reader, hf_config) -> dict[str, QuantizedWeight]:
     """The file's tensors of a type in QTYPES, by HF parameter name (e.g.
-    "model.layers.0.self_attn.q_proj.weight"); other tensors are left to the dense loader."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    "model.layers.0.self_attn.q_proj.weight"); other tensors are left to the dense loader.
+    reader: the file's gguf.GGUFReader."""
     processor, names = gguf_name_map(reader, hf_config)
     out: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:

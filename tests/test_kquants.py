@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from tessera_engine import cpu_kernels
 from tessera_engine.models.loader import load_model
 
 import gguf_tiny
 from gguf_tiny import T
-from test_model_families import NEW_TOKENS, PROMPTS, engine_greedy, hf_from_gguf
+from test_model_families import NEW_TOKENS, PROMPTS, assert_quantized_path, engine_greedy, hf_from_gguf
 
 KQ = {"Q6_K+Q4_K": gguf_tiny.mixed(T.Q6_K, T.Q4_K, output=T.Q6_K),   # as a Q4_K_M file
       "Q6_K+Q5_K": gguf_tiny.mixed(T.Q6_K, T.Q5_K, output=T.Q6_K)}   # as a Q5_K_M file
@@ -80,18 +79,13 @@ def test_kquant_gguf_matches_hf_greedy(family, quant, tmp_path):
         loaded = load_model(str(path), None, torch.float32, torch.device("cpu"), keep_quantized=keep)
         got = engine_greedy(loaded)  # the engine attaches the kernels to the layers
         model = loaded.model
-        down = model.layers[0].mlp.down_proj
+        assert_quantized_path(model.layers[0].mlp.down_proj, linear_type if keep else None)
         if keep:
-            assert down.qweight is not None and down.qweight.type_name == linear_type
             assert model.layers[1].self_attn.qkv_proj.qweight.type_name == linear_type
             if family == "llama":
                 assert model.lm_head.qweight.type_name == embed_type
             else:
                 assert model.embed_q.type_name == embed_type
-            if cpu_kernels.load() is not None:  # the kernels took the quantized weights
-                assert down.qlinear is not None
-        else:
-            assert down.qweight is None
         for i, (g, w) in enumerate(zip(got, want)):
             assert g == w, f"{family}, {quant}, keep_quantized={keep}, prompt {i}"
 

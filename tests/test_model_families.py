@@ -74,6 +74,19 @@ def engine_greedy(loaded, prompts=PROMPTS) -> list[list[int]]:
     return [out[(f"r{i}", 0)] for i in range(len(prompts))]
 
 
+def assert_quantized_path(layer, type_name: str | None) -> None:
+    """The linear layer keeps the file's weight in this quantized type and, where the CPU
+    kernels are built, runs it through their qlinear; type_name None: dense weights only."""
+    from tessera_engine import cpu_kernels
+
+    if type_name is None:
+        assert layer.qweight is None
+        return
+    assert layer.qweight is not None and layer.qweight.type_name == type_name
+    if cpu_kernels.load() is not None:  # the kernels took the quantized weights
+        assert layer.qlinear is not None
+
+
 def hf_greedy(hf, prompts=PROMPTS) -> list[list[int]]:
     refs = []
     for p in prompts:
@@ -155,8 +168,6 @@ def test_family_matches_hf_greedy_through_the_gguf_loader(family, weights, tmp_p
         inside the source model's 64-token window, where the two are the same.
       - Qwen3's head size is read by our loader (key_length) but not by transformers: see
         hf_from_gguf."""
-    from tessera_engine import cpu_kernels
-
     source = prepared(family)
     path = gguf_tiny.write_gguf(source, tmp_path / f"{family}-{weights}.gguf", GGUF_TYPES[weights])
     reference = hf_from_gguf(path, source)
@@ -175,13 +186,8 @@ def test_family_matches_hf_greedy_through_the_gguf_loader(family, weights, tmp_p
         assert loaded.hf_config.model_type == ("llama" if family == "mistral" else family)
         assert hasattr(loaded.hf_config, "rope_freq_factors") == (family == "llama")
         got = engine_greedy(loaded)
-        down = loaded.model.layers[0].mlp.down_proj
-        if keep and quantized:
-            assert down.qweight is not None and down.qweight.type_name == weights.split("+")[1]
-            if cpu_kernels.load() is not None:  # the kernels took the quantized weights
-                assert down.qlinear is not None
-        else:
-            assert down.qweight is None
+        assert_quantized_path(loaded.model.layers[0].mlp.down_proj,
+                              weights.split("+")[1] if keep and quantized else None)
         for i, (g, w) in enumerate(zip(got, want)):
             assert g == w, f"{family}, {weights}, keep_quantized={keep}, prompt {i}"
 

@@ -689,6 +689,23 @@ inline void kquant_scale_min(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
   }
 }
 
+// The head of a Q4_K / Q5_K super-block, read once for the scalar and vector dequantizers:
+// float16 d and dmin, eight 6-bit (scale, min) pairs, and where the fifth bits (Q5_K) and
+// the low four bits of the quants start. scale(j) and min(j) are sub-block j's float32
+// d * sc and dmin * m, each one rounding, as the reference computes them.
+struct KQuantHead {
+  float d, dmin;
+  uint8_t sc[8], mn[8];
+  const uint8_t* qh;
+  const uint8_t* qs;
+  KQuantHead(const uint8_t* b, int64_t qt)
+      : d(half_to_float(b)), dmin(half_to_float(b + 2)), qh(b + 16), qs(b + (qt == kQ5_K ? 48 : 16)) {
+    kquant_scale_min(b + 4, sc, mn);
+  }
+  float scale(int j) const { return d * static_cast<float>(sc[j]); }
+  float min(int j) const { return dmin * static_cast<float>(mn[j]); }
+};
+
 // One K-quant super-block -> 256 float32, exactly as gguf-py's dequantize_blocks (contraction
 // off: d_j * q - m_j is two roundings):
 //   Q4_K / Q5_K: sub-block j (32 weights) of d_j = d * sc_j, m_j = dmin * mn_j; w = d_j * q - m_j,
@@ -712,16 +729,12 @@ void dequant_kblock_scalar(const uint8_t* b, int64_t qt, float* out) {
     }
     return;
   }
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  uint8_t sc[8], mn[8];
-  kquant_scale_min(b + 4, sc, mn);
-  const uint8_t* qh = b + 16;                        // Q5_K only
-  const uint8_t* qs = b + (qt == kQ5_K ? 48 : 16);
+  const KQuantHead h(b, qt);
   for (int j = 0; j < 8; ++j) {
-    const float dj = d * static_cast<float>(sc[j]), mj = dmin * static_cast<float>(mn[j]);
+    const float dj = h.scale(j), mj = h.min(j);
     for (int l = 0; l < 32; ++l) {
-      int q = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
-      if (qt == kQ5_K) q |= ((qh[l] >> j) & 1) << 4;
+      int q = (h.qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
+      if (qt == kQ5_K) q |= ((h.qh[l] >> j) & 1) << 4;
       const float dq = dj * static_cast<float>(q);
       out[32 * j + l] = dq - mj;
     }
@@ -811,21 +824,17 @@ inline void dequant_kblock_avx512(const uint8_t* b, float* out) {
       _mm512_storeu_ps(out + p, _mm512_mul_round_ps(ds, q, kRn));
     }
   } else {
-    const float d = half_to_float(b), dmin = half_to_float(b + 2);
-    uint8_t sc[8], mn[8];
-    kquant_scale_min(b + 4, sc, mn);
-    const uint8_t* qh = b + 16;  // Q5_K only
-    const uint8_t* qs = b + (qt == kQ5_K ? 48 : 16);
+    const KQuantHead kh(b, qt);
     for (int j = 0; j < 8; ++j) {
-      const __m512 dj = _mm512_set1_ps(d * static_cast<float>(sc[j]));
-      const __m512 mj = _mm512_set1_ps(dmin * static_cast<float>(mn[j]));
+      const __m512 dj = _mm512_set1_ps(kh.scale(j));
+      const __m512 mj = _mm512_set1_ps(kh.min(j));
       for (int h = 0; h < 32; h += 16) {
         __m512i q = _mm512_and_si512(
-            _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (j / 2) + h))),
+            _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kh.qs + 32 * (j / 2) + h))),
                              _mm_cvtsi32_si128(4 * (j & 1))), low4);
         if constexpr (qt == kQ5_K) {
           const __m512i bit = _mm512_and_si512(
-              _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + h))),
+              _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kh.qh + h))),
                                _mm_cvtsi32_si128(j)), _mm512_set1_epi32(1));
           q = _mm512_or_si512(q, _mm512_slli_epi32(bit, 4));
         }

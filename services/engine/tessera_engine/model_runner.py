@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import mmap
 import time
 
-import numpy as np
 import torch
 
 from tessera_engine import cpu_kernels
@@ -42,14 +43,17 @@ def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> 
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV cache tensor. On CPU from calloc (numpy's zeros): the kernel maps fresh
+    """A zero-filled KV cache tensor. On CPU a private anonymous mapping: the kernel maps fresh
     zero pages as blocks are first written, so the pool adds to RSS as it is used, not at start
-    (torch.zeros writes every byte: 1 GiB resident before the first request)."""
+    (torch.zeros writes every byte: 1 GiB resident before the first request). Not numpy's
+    zeros: numpy asks for transparent huge pages on large arrays, and their first touch
+    (the kernel compacting memory for them) cost ~2.5 ms a MiB here against ~0.2 ms with
+    plain pages, ~0.5 s of a 64-request burst's prefill."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    size = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * size, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    raw = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(raw, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def select_backends(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,

@@ -37,6 +37,9 @@ class EngineConfig:
     # misc
     seed: int = 0
     num_threads: int | None = None     # torch CPU threads; None = torch's default
+    # CPU: which CPU each compute thread runs on (cpu_threads.py): auto, off or a CPU list.
+    # The service's flag defaults to auto; in-process the team's first thread is the caller's.
+    cpu_threads_bind: str = "off"
     # CPU: tessera's fused C++ kernels (attention, norms, rotary, quantized matmul), else plain torch ops
     cpu_kernels: bool = True
     cpu_kernels_prebuilt: str | None = None  # load them from this module file / variants directory
@@ -105,5 +108,12 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.idle_batch_wait_ms < 0:
             raise ValueError("idle_batch_wait_ms must be >= 0")
+        from tessera_engine.cpu_threads import check_mode, parse_cpu_list
+
+        check_mode(self.cpu_threads_bind)
+        if (self.cpu_threads_bind not in ("auto", "off") and self.num_threads
+                and self.num_threads != len(parse_cpu_list(self.cpu_threads_bind))):
+            raise ValueError(f"num_threads {self.num_threads} and cpu_threads_bind {self.cpu_threads_bind!r} "
+                             "disagree: a CPU list sets the thread count to its length")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")

@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from tessera_engine import cpu_kernels, cpu_threads
 from tessera_engine.config import EngineConfig
 from tessera_engine.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_block
 from tessera_engine.models.loader import LoadedModel, load_model
@@ -40,6 +41,9 @@ class UniProcExecutor:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolved_device()
+        if self.device.type == "cpu" and config.cpu_threads_bind != "off":
+            cpu_threads.bind(config.cpu_threads_bind,
+                             cpu_kernels.load(config.cpu_kernels_prebuilt) if config.cpu_kernels else None)
         self.dtype, why = config.dtype_choice()
         log.info("dtype chosen", extra={"dtype": str(self.dtype).removeprefix("torch."), "why": why})
         torch.manual_seed(config.seed)

@@ -349,6 +349,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "them before its first step (0: never)")
     add_flag(p, "--seed", "TESSERA_SEED", 0, type=int, help="seed of the sampler's shared generator")
     add_flag(p, "--num-threads", "TESSERA_NUM_THREADS", None, type=int, help="torch CPU threads")
+    add_flag(p, "--cpu-threads-bind", "TESSERA_CPU_THREADS_BIND", "auto",
+             help="CPU: bind each compute thread to one CPU. auto: when the threads fill the CPUs this "
+                  "process may use (one per CPU or per physical core); off; or a CPU list such as 0-3, "
+                  "which also sets the thread count")
     add_flag(p, "--cpu-kernels", "TESSERA_CPU_KERNELS", True, type=bool,
              help="fused C++ kernels on CPU (built with gcc at install or first start; torch ops where they cannot be)")
     add_flag(p, "--cpu-kernels-prebuilt", "TESSERA_CPU_KERNELS_PREBUILT", None,
@@ -382,6 +386,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         step_timeout_s=args.step_timeout_s,
         max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
         idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads,
+        cpu_threads_bind=args.cpu_threads_bind,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
         gguf_dequantize=args.gguf_dequantize)
 

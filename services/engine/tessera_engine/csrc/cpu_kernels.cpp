@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #endif
 
+#include <sched.h>
+
 namespace {
 
 // ---- element conversion (vectorizes: bf16 -> f32 is a 16-bit shift) ----------------
@@ -1168,6 +1170,25 @@ at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K) {
 // thread (taking in requests, sending the last step's outputs) runs while the core
 // thread is inside a kernel instead of waiting for it. Arguments are converted before
 // the GIL is released and results after it is taken back; no kernel touches a Python object.
+// Binds the threads of the calling thread's team one to a CPU each: thread i of the team to
+// cpus[i % cpus.size()]. Returns the CPU each thread got (-1 where the call failed).
+std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus) {
+  const int64_t n = at::get_num_threads();
+  std::vector<int64_t> got(n, -1);
+  if (cpus.empty()) return got;
+  // one index per thread: with a grain of 1 and n indices, thread i runs index i
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t cpu = cpus[i % cpus.size()];
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(static_cast<int>(cpu), &set);
+      if (sched_setaffinity(0, sizeof(set), &set) == 0) got[at::get_thread_num()] = cpu;
+    }
+  });
+  return got;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("decode_attention", &decode_attention, "paged attention for single-token decodes",
@@ -1185,4 +1206,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 [N, K] weight in linear_bf16's layout", nogil);
   m.def("linear_bf16", &linear_bf16, "x W^T (+ bias) in bfloat16 on oneDNN's brgemm micro-kernel",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), nogil);
+  m.def("bind_threads", &bind_threads, "each thread of the calling thread's team bound to one CPU", nogil);
 }

@@ -58,6 +58,32 @@ def test_shared_system_prompt_hits_the_prefix_cache_and_matches_hf(make_core, hf
     assert after.prefix_cache_queries > before.prefix_cache_queries
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_partial_block_prefix_hits_match_hf(make_core, chat_prompts, hf_greedy, cpu_kernels):
+    """The chat prompts share 24 template tokens: one 16-token block and 8 tokens of the next.
+    Later prompts take the block and copy the 8 slots from an earlier prompt's second block,
+    both in the step that writes that block and in later steps, and still match HF."""
+    prompts = chat_prompts[:6]
+    core = make_core(enable_prefix_caching=True, cpu_kernels=cpu_kernels)
+    copies = []
+    schedule = core.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        copies.extend(out.kv_copies)
+        return out
+
+    core.scheduler.schedule = recording_schedule
+    out = core.generate(requests(prompts[:3], greedy(MAX_NEW)))  # one step admits all three
+    assert_matches_hf(out, prompts[:3], hf_greedy)
+    assert len(copies) == 2 and all(c.num_tokens >= 8 for c in copies), copies
+    out = core.generate(requests(prompts[3:], greedy(MAX_NEW), prefix="later"))
+    for i, p in enumerate(prompts[3:]):
+        assert out[(f"later{i}", 0)] == hf_greedy(p, MAX_NEW)
+    assert len(copies) == 5, copies
+    assert core.stats().num_blocks_free == core.stats().num_blocks_total
+
+
 def test_chunked_prefill_matches_hf(make_core, chat_prompts, hf_greedy):
     core = make_core(max_num_batched_tokens=24, enable_prefix_caching=False)
     prompts = chat_prompts[:8]

@@ -74,10 +74,11 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_reaches():
     other = make_req("other", list(range(500, 508)))
     assert kv.allocate(other, 8)  # two fresh blocks: the evicted first two
     b = make_req("b", prompt + [7, 8, 9, 10])
-    blocks, n = kv.find_cached_prefix(b)
+    hit = kv.find_cached_prefix(b)
+    blocks, n = hit.block_ids, hit.num_tokens
     # position 24's window starts at 19 (block 4): blocks 4 and 5 are enough
     assert n == 24 and blocks[:4] == [F] * 4 and F not in blocks[4:] and len(blocks) == 6
-    assert kv.allocate(b, b.num_tokens - n, blocks)
+    assert kv.allocate(b, b.num_tokens - n, hit)
     b.num_computed_tokens = b.num_tokens
     # nothing was published under a FREED_BLOCK entry (Python's index -1 is the pool's last block)
     assert all(kv.blocks[bid].block_hash == h for h, bid in kv.cached.items())
@@ -104,7 +105,7 @@ def test_a_gap_inside_the_window_shortens_the_hit():
     block5 = kv.cached[kv._block_hashes(make_req("probe", prompt), 24)[5]]
     kv.free_queue.move_to_end(block5, last=False)
     assert kv.allocate(make_req("o", [1, 2, 3]), 3)  # evicts block 5 only
-    blocks, n = kv.find_cached_prefix(make_req("b", prompt + [1, 2]))
+    blocks, n = kv.find_cached_prefix(make_req("b", prompt + [1, 2]))[:2]
     # 24 tokens would need block 5; 20 need blocks 3 and 4 (position 20 sees 15..20)
     assert n == 20 and blocks[:3] == [F] * 3 and len(blocks) == 5
 

@@ -93,6 +93,16 @@ class AttentionMetadata:
     num_decodes: int
     decode: TorchDecodeMetadata | KernelDecodeMetadata | None
     prefill_groups: list[PrefillGroup]
+    # cache slots copied (src, dst) after the step's K/V is written, before attention reads
+    # (partial prefix-cache hits; a source block may be filled by this very step)
+    copy_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def copy_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """K/V of cache slots src copied to slots dst (one layer)."""
+    src, dst = slots
+    k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+    v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
 
 class TorchAttention:
@@ -214,6 +224,8 @@ class TorchAttention:
         qk = apply_rotary_signed(qk.view(T, H + KVH, d), cos, sin)
         k_cache.index_copy_(0, meta.slot_mapping, qk[:, H:])
         v_cache.index_copy_(0, meta.slot_mapping, v.view(T, KVH, d))
+        if meta.copy_slots is not None:
+            copy_slots(k_cache, v_cache, meta.copy_slots)
         return qk[:, :H]
 
     def forward(self, layer: "PagedAttention", q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -308,6 +320,8 @@ class CpuKernelAttention(TorchAttention):
     def rope_and_cache(self, layer, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         self.kernels.rope_and_cache_(qkv, meta.positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
                                      layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        if meta.copy_slots is not None:
+            copy_slots(k_cache, v_cache, meta.copy_slots)
         return qkv[:, :layer.num_heads * layer.head_dim].view(qkv.shape[0], layer.num_heads, layer.head_dim)
 
     def _decode(self, layer, q, k_cache, v_cache, dm: KernelDecodeMetadata) -> torch.Tensor:

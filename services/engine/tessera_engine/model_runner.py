@@ -23,6 +23,7 @@ from tessera_engine.ops import CpuKernelOps, TorchOps
 from tessera_engine.outputs import TokenLogprobs
 from tessera_engine.request import SampleKey
 from tessera_engine.sampler import Sampler, compute_logprobs
+from tessera_engine.kv_cache import KVCopy
 from tessera_engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class ModelRunner:
         slots = (blocks.unsqueeze(1) * bs + self._arange_bs).flatten()
         return slots[start - first * bs:end - first * bs]
 
-    def _prepare(self, scheduled: list[ScheduledRequest]):
+    def _prepare(self, scheduled: list[ScheduledRequest], kv_copies: list[KVCopy] = ()):
         """The step's flat batch (decodes first, then prefill chunks) and its attention metadata."""
         bs = self.block_size
         dev = self.device
@@ -139,11 +140,16 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         meta = self.attention.build_metadata(
             slot_mapping, positions, [DecodeEntry(s.block_table, s.start + 1) for s in decodes], chunks)
+        if kv_copies:
+            src = [c.src * bs + i for c in kv_copies for i in range(c.num_tokens)]
+            dst = [c.dst * bs + i for c in kv_copies for i in range(c.num_tokens)]
+            meta.copy_slots = (torch.tensor(src, dtype=torch.long, device=dev),
+                               torch.tensor(dst, dtype=torch.long, device=dev))
         return decodes + prefills, input_ids, positions, meta
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        ordered, input_ids, positions, meta = self._prepare(sched.scheduled)
+        ordered, input_ids, positions, meta = self._prepare(sched.scheduled, sched.kv_copies)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         # rows whose last token samples, and prompt-logprob positions

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tessera_engine.config import EngineConfig
-from tessera_engine.kv_cache import KVCacheManager
+from tessera_engine.kv_cache import KVCacheManager, KVCopy
 from tessera_engine.outputs import EngineCoreOutput, RequestError, RequestTiming
 from tessera_engine.request import Request, RequestStatus, SampleKey
 
@@ -49,6 +49,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     num_batched_tokens: int
+    # partial prefix-cache hits: slots copied between blocks before the step's attention reads them
+    kv_copies: list[KVCopy] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -145,9 +147,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.release_copy_sources()  # the step that copied from them has run
         budget = self.token_budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        kv_copies: list[KVCopy] = []
         now = time.time()
 
         # 1. running requests: one decode token each, or the next prefill chunk
@@ -184,10 +188,14 @@ class Scheduler:
             if req.constraint is not None and not req.constraint.ready:
                 w += 1
                 continue
-            cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+            hit = self.kv.find_cached_prefix(req)
+            num_cached = hit.num_tokens
             num_new = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate(req, num_new, cached_blocks):
+            if not self.kv.allocate(req, num_new, hit):
                 break
+            copy = self.kv.copy_for(req, hit)
+            if copy is not None:
+                kv_copies.append(copy)
             self.waiting.pop(w)
             self.kv.record_prefix_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
@@ -200,7 +208,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, num_new, num_cached, self.kv.block_table(req)))
             budget -= num_new
 
-        return SchedulerOutput(scheduled, preempted, self.token_budget - budget)
+        return SchedulerOutput(scheduled, preempted, self.token_budget - budget, kv_copies)
 
     def update_from_output(self, sched: SchedulerOutput, result: "ModelRunnerOutput"
                            ) -> tuple[list[EngineCoreOutput], int]:

@@ -63,7 +63,8 @@ def test_partial_block_prefix_hits_match_hf(make_core, chat_prompts, hf_greedy, 
     """The chat prompts share 24 template tokens: one 16-token block and 8 tokens of the next.
     Later prompts take the block and copy the 8 slots from an earlier prompt's second block,
     both in the step that writes that block and in later steps, and still match HF."""
-    prompts = chat_prompts[:6]
+    prompts = [p for p in chat_prompts if len(p) > 32][:6]  # each fills its second block
+    assert len(prompts) == 6
     core = make_core(enable_prefix_caching=True, cpu_kernels=cpu_kernels)
     copies = []
     schedule = core.scheduler.schedule

@@ -116,10 +116,10 @@ class EngineCore:
                 "RESOURCE_EXHAUSTED",
                 f"request needs {needed} KV blocks but the cache has only {self.kv_cache.num_blocks}")
         cap = self.config.max_waiting_requests
-        if cap and len(self.scheduler.waiting) + p.n > cap:
+        if cap and self.scheduler.num_waiting + p.n > cap:
             raise RequestRejected(
                 "RESOURCE_EXHAUSTED",
-                f"the engine's waiting queue is full ({len(self.scheduler.waiting)} samples waiting, "
+                f"the engine's waiting queue is full ({self.scheduler.num_waiting} samples waiting, "
                 f"--max-waiting-requests {cap}); retry later")
         if any((req.request_id, i) in self.scheduler.requests for i in range(p.n)):
             raise RequestRejected("ALREADY_EXISTS", f"request_id {req.request_id!r} is already running")
@@ -219,7 +219,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats()
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.num_blocks,
+        return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, kv.num_blocks,
                            kv.num_free_blocks, kv.prefix_cache_queries, kv.prefix_cache_hits,
                            self.scheduler.num_preemptions, kv.usage)
 

@@ -8,6 +8,13 @@ over several steps (chunked prefill). When the KV pool runs dry the
 lowest-priority, latest-arrived running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue, to be recomputed.
 
+First come, first served is kept at the engine's own resolution, a step: requests that
+arrived while one step ran (or in one burst into an idle engine) join the waiting queue
+together, shortest prompt first. Their order among themselves is the network's, and
+shortest first gets the most of them their first token soonest (64 chat prompts sent at
+once: the 33 shortest fit the first 512-token step, the first 33 in arrival order do not).
+A request still waits for nothing that arrived a step after it.
+
 After the model ran, update_from_output turns (SchedulerOutput, ModelRunnerOutput)
 into the step's EngineCoreOutputs in one pass, as vLLM v1's scheduler does:
 computed counts advance, sampled tokens are appended, stop conditions checked,
@@ -65,6 +72,7 @@ class Scheduler:
         self.priority = config.scheduling_policy == "priority"
         self.token_budget = config.token_budget()
         self.waiting: list[Request] = []
+        self.arrived: list[Request] = []  # fcfs: added since the last step, queued at its start
         self.running: list[Request] = []
         self.requests: dict[SampleKey, Request] = {}
         self.num_preemptions = 0
@@ -75,7 +83,21 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         self.requests[req.key] = req
-        self._enqueue_waiting(req, front=False)
+        if self.priority:
+            self._enqueue_waiting(req, front=False)
+        else:
+            self.arrived.append(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.arrived)
+
+    def _queue_arrivals(self) -> None:
+        """This step's arrivals join the waiting queue's end, shortest prompt first (stable:
+        a request's samples stay together, equal lengths keep their arrival order)."""
+        self.arrived.sort(key=lambda r: r.num_tokens)
+        self.waiting.extend(self.arrived)
+        self.arrived.clear()
 
     def _enqueue_waiting(self, req: Request, front: bool) -> None:
         if self.priority:
@@ -91,7 +113,7 @@ class Scheduler:
             self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.arrived)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks at once."""
@@ -102,6 +124,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.arrived:
+            self.arrived.remove(req)
         self.kv.free(req)
         self.requests.pop(req.key, None)
 
@@ -148,6 +172,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.kv.release_copy_sources()  # the step that copied from them has run
+        if self.arrived:
+            self._queue_arrivals()
         budget = self.token_budget
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []

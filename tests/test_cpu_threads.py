@@ -64,7 +64,7 @@ for tid in os.listdir("/proc/self/task"):
     with open(f"/proc/self/task/{tid}/status") as f:
         tasks[tid] = [l.split(":", 1)[1].strip() for l in f if l.startswith("Cpus_allowed_list")][0]
 print(json.dumps({"got": got, "threads": torch.get_num_threads(), "tasks": tasks,
-                  "main": os.sched_getaffinity(0) and sorted(os.sched_getaffinity(0))}))
+                  "main": sorted(os.sched_getaffinity(0))}))
 """
 
 

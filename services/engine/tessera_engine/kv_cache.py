@@ -231,7 +231,7 @@ class KVCacheManager:
         need_new = max(0, need_total - have)
         # Cached blocks that are free count against the free pool when we take them.
         reclaim = sum(1 for b in cached_blocks if b != FREED_BLOCK and self.blocks[b].ref_cnt == 0)
-        if copy_from is not None and self.blocks[copy_from].ref_cnt == 0 and copy_from not in cached_blocks:
+        if copy_from is not None and self.blocks[copy_from].ref_cnt == 0:
             reclaim += 1
         if need_new + reclaim > self.num_free_blocks:
             return False

@@ -19,11 +19,11 @@ import torch
 from tessera_engine import cpu_kernels
 from tessera_engine.attention import CpuKernelAttention, DecodeEntry, PrefillChunk, TorchAttention
 from tessera_engine.config import EngineConfig
+from tessera_engine.kv_cache import KVCopy
 from tessera_engine.ops import CpuKernelOps, TorchOps
 from tessera_engine.outputs import TokenLogprobs
 from tessera_engine.request import SampleKey
 from tessera_engine.sampler import Sampler, compute_logprobs
-from tessera_engine.kv_cache import KVCopy
 from tessera_engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)

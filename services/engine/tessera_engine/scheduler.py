@@ -84,7 +84,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.requests[req.key] = req
         if self.priority:
-            self._enqueue_waiting(req, front=False)
+            self._enqueue_waiting(req)
         else:
             self.arrived.append(req)
 
@@ -99,18 +99,17 @@ class Scheduler:
         self.waiting.extend(self.arrived)
         self.arrived.clear()
 
-    def _enqueue_waiting(self, req: Request, front: bool) -> None:
+    def _enqueue_waiting(self, req: Request) -> None:
+        """priority: into the waiting queue by (priority, arrival), so a preempted request keeps
+        its rank; fcfs (a preempted request, new ones come through `arrived`): at the front."""
         if self.priority:
-            # keep waiting sorted by (priority, arrival); preempted ones keep their rank
             key = self._order(req)
             i = 0
             while i < len(self.waiting) and self._order(self.waiting[i]) <= key:
                 i += 1
             self.waiting.insert(i, req)
-        elif front:
-            self.waiting.insert(0, req)
         else:
-            self.waiting.append(req)
+            self.waiting.insert(0, req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.arrived)
@@ -167,7 +166,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         if victim.constraint is not None:
             victim.constraint.drop()  # rebuilt from its output when it runs again
-        self._enqueue_waiting(victim, front=True)
+        self._enqueue_waiting(victim)
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:

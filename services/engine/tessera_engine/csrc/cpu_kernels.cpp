@@ -1164,12 +1164,6 @@ at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K) {
   return out;
 }
 
-}  // namespace
-
-// Every kernel runs without the GIL, as torch's own ops do: the engine service's gRPC
-// thread (taking in requests, sending the last step's outputs) runs while the core
-// thread is inside a kernel instead of waiting for it. Arguments are converted before
-// the GIL is released and results after it is taken back; no kernel touches a Python object.
 // Binds the threads of the calling thread's team one to a CPU each: thread i of the team to
 // cpus[i % cpus.size()]. Returns the CPU each thread got (-1 where the call failed).
 std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus) {
@@ -1189,6 +1183,12 @@ std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus) {
   return got;
 }
 
+}  // namespace
+
+// Every kernel runs without the GIL, as torch's own ops do: the engine service's gRPC
+// thread (taking in requests, sending the last step's outputs) runs while the core
+// thread is inside a kernel instead of waiting for it. Arguments are converted before
+// the GIL is released and results after it is taken back; no kernel touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("decode_attention", &decode_attention, "paged attention for single-token decodes",

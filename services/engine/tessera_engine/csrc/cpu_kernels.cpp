@@ -366,19 +366,37 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   // few: one per (sequence, KV head) so every thread has work
   const int64_t per = N >= 2 * at::get_num_threads() ? KVH : 1;
   const int64_t parts = KVH / per;
+  // Work item w: its row (taken from both ends in turn: a prefill chunk's rows have growing
+  // contexts, and each thread's contiguous range of w then holds short and long rows alike),
+  // its first KV head, and where its context starts (a sliding window attends positions
+  // [L - window, L): from that position's block).
+  struct Item { int64_t i, h0, first, L; };
+  auto item = [&](int64_t w) {
+    const int64_t r = w / parts, i = (r & 1) ? N - 1 - r / 2 : r / 2;
+    const int64_t first = window > 0 && lens[i] > window ? (lens[i] - window) / block_size : 0;
+    return Item{i, (w % parts) * per, first, lens[i] - first * block_size};
+  };
+  // K blocks of the next item asked for ahead, into L2, while this one computes: its first
+  // block would otherwise be a stall on memory (up to kAheadBlocks: measured here, 64 rows of
+  // ~100 positions in scattered blocks, 30 layers, 7-13% less time than the first block alone)
+  [[maybe_unused]] constexpr int64_t kAheadBlocks = 16;
   at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(per * sh.g * d);
     for (int64_t w = begin; w < end; ++w) {
-      // rows taken from both ends in turn: a prefill chunk's rows have growing contexts, and
-      // each thread's contiguous range of w then holds short and long rows alike
-      const int64_t r = w / parts, i = (r & 1) ? N - 1 - r / 2 : r / 2, h0 = (w % parts) * per;
-      // a sliding window attends positions [L - window, L): start at that position's block
-      const int64_t first = window > 0 && lens[i] > window ? (lens[i] - window) / block_size : 0;
-      const int64_t L = lens[i] - first * block_size;
-      const int64_t skip = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      scores.resize(per * sh.g * L);
-      fn(qp + i * q_row, q_head, kp, vp, tables + i * max_blocks + first, L, skip, h0, h0 + per, sh,
-         scores.data(), acc.data(), op + i * o_row, o_head);
+      const Item it = item(w);
+#if defined(__AVX512F__)
+      if (w + 1 < end) {
+        const Item nx = item(w + 1);
+        const int64_t* nt = tables + nx.i * max_blocks + nx.first;
+        for (int64_t b = 0; b < kAheadBlocks && b * block_size < nx.L; ++b)
+          prefetch_block<T, _MM_HINT_T1>(kp, nt[b] * block_size, std::min(block_size, nx.L - b * block_size),
+                                         nx.h0, nx.h0 + per, sh);
+      }
+#endif
+      const int64_t skip = window > 0 ? std::max<int64_t>(0, it.L - window) : 0;
+      scores.resize(per * sh.g * it.L);
+      fn(qp + it.i * q_row, q_head, kp, vp, tables + it.i * max_blocks + it.first, it.L, skip, it.h0,
+         it.h0 + per, sh, scores.data(), acc.data(), op + it.i * o_row, o_head);
     }
   });
 }

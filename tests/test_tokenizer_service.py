@@ -454,3 +454,85 @@ def test_sigterm_while_loading_exits_promptly(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+
+def _open_streams(stub):
+    """A detokenize and a tokenize stream held open (as the frontend holds them), one message
+    answered on each: (responses, outboxes); put None in an outbox to end its requests."""
+    import queue
+
+    outboxes = [queue.Queue(), queue.Queue()]
+
+    def requests(box):
+        while (message := box.get()) is not None:
+            yield message
+
+    detok = stub.DetokenizeStream(requests(outboxes[0]), timeout=60)
+    tok = stub.TokenizeStream(requests(outboxes[1]), timeout=60)
+    outboxes[0].put(pb.DetokenizeStreamRequest(items=[item("d", tokenize(stub, "hello there"), finished=True,
+                                                           open=pb.DetokenizeOpen())]))
+    outboxes[1].put(pb.TokenizeStreamRequest(items=[pb.TokenizeItem(id=1, request=pb.TokenizeRequest(text="hi"))]))
+    assert next(detok).results[0].text_delta == "hello there"
+    assert list(next(tok).results[0].response.token_ids) == tokenize(stub, "hi")
+    return {"detok": detok, "tok": tok}, outboxes
+
+
+def _errors(log: str) -> list[str]:
+    return [line for line in log.splitlines() if '"level": "ERROR"' in line]
+
+
+def test_client_cancelling_open_streams_logs_no_error(server, stub):
+    """A frontend that goes away cancels its streams: the server's read of the next message,
+    cut short, must not end as asyncio's "Task exception was never retrieved" at ERROR."""
+    before = len(server.log())
+    calls, outboxes = _open_streams(stub)
+    for call in calls.values():
+        call.cancel()
+    for box in outboxes:
+        box.put(None)
+    time.sleep(0.5)
+    assert stream(stub, [pb.DetokenizeStreamRequest(items=[item("after", tokenize(stub, "still here"), finished=True,
+                                                                open=pb.DetokenizeOpen())])])[0] \
+        .results[0].text_delta == "still here"
+    errors = _errors(server.log()[before:])
+    assert not errors, "\n".join(errors)
+
+
+def test_sigterm_with_open_streams_ends_them_cleanly(tmp_path):
+    """On SIGTERM the streams a frontend holds open end with OK, and nothing is logged at ERROR."""
+    import threading
+
+    srv = Server(tmp_path)
+    code = None
+    outboxes = []
+    try:
+        calls, outboxes = _open_streams(srv.stub)
+        ended: dict[str, object] = {}
+
+        def drain(name, responses):
+            try:
+                ended[name] = list(responses)
+            except grpc.RpcError as exc:
+                ended[name] = exc.code()
+
+        readers = [threading.Thread(target=drain, args=item) for item in calls.items()]
+        for t in readers:
+            t.start()
+        time.sleep(0.2)
+        srv.process.send_signal(signal.SIGTERM)  # the channel stays open, as the frontend's does
+        for t in readers:
+            t.join(timeout=15)
+        code = srv.process.wait(timeout=15)
+        assert ended == {"detok": [], "tok": []}, ended
+    finally:
+        for box in outboxes:
+            box.put(None)
+        srv.channel.close()
+        if srv.process.poll() is None:
+            srv.process.kill()
+            srv.process.wait()
+    log = srv.log()
+    assert code == 0, log[-3000:]
+    errors = _errors(log)
+    assert not errors, "\n".join(errors)

@@ -54,6 +54,12 @@ _INLINE_TOKENS = 2_048
 T = TypeVar("T")
 
 
+
+def _consume(task: asyncio.Future) -> None:
+    """Take a finished task's outcome, whatever it is (see TokenizerServicer._until_draining)."""
+    if not task.cancelled():
+        task.exception()
+
 class InvalidInput(ValueError):
     """Bad client input; the message names the field: "<field>: <what is wrong>"."""
 
@@ -95,12 +101,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         """The stream's messages until the client ends it or the drain starts."""
         drained = asyncio.ensure_future(self.draining.wait())
         messages = request_iterator.__aiter__()
+        following = None
         try:
             while True:
                 following = asyncio.ensure_future(messages.__anext__())
                 await asyncio.wait({following, drained}, return_when=asyncio.FIRST_COMPLETED)
                 if not following.done():
-                    following.cancel()
                     return
                 try:
                     yield following.result()
@@ -108,6 +114,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                     return
         finally:
             drained.cancel()
+            if following is not None:
+                # cut short by the drain or by the client cancelling the stream, the read (done
+                # or not) may end with the stream's StopAsyncIteration: taken here, so that
+                # asyncio does not log it at ERROR as an exception nobody retrieved
+                following.cancel()
+                following.add_done_callback(_consume)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Tokenizer:
         if self.tokenizer is None:

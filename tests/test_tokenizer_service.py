@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -456,12 +458,9 @@ def test_sigterm_while_loading_exits_promptly(tmp_path):
             process.wait()
 
 
-
 def _open_streams(stub):
     """A detokenize and a tokenize stream held open (as the frontend holds them), one message
     answered on each: (responses, outboxes); put None in an outbox to end its requests."""
-    import queue
-
     outboxes = [queue.Queue(), queue.Queue()]
 
     def requests(box):
@@ -501,8 +500,6 @@ def test_client_cancelling_open_streams_logs_no_error(server, stub):
 
 def test_sigterm_with_open_streams_ends_them_cleanly(tmp_path):
     """On SIGTERM the streams a frontend holds open end with OK, and nothing is logged at ERROR."""
-    import threading
-
     srv = Server(tmp_path)
     code = None
     outboxes = []
@@ -516,7 +513,7 @@ def test_sigterm_with_open_streams_ends_them_cleanly(tmp_path):
             except grpc.RpcError as exc:
                 ended[name] = exc.code()
 
-        readers = [threading.Thread(target=drain, args=item) for item in calls.items()]
+        readers = [threading.Thread(target=drain, args=(name, call)) for name, call in calls.items()]
         for t in readers:
             t.start()
         time.sleep(0.2)

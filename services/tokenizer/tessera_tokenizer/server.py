@@ -54,12 +54,6 @@ _INLINE_TOKENS = 2_048
 T = TypeVar("T")
 
 
-
-def _consume(task: asyncio.Future) -> None:
-    """Take a finished task's outcome, whatever it is (see TokenizerServicer._until_draining)."""
-    if not task.cancelled():
-        task.exception()
-
 class InvalidInput(ValueError):
     """Bad client input; the message names the field: "<field>: <what is wrong>"."""
 
@@ -119,7 +113,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 # or not) may end with the stream's StopAsyncIteration: taken here, so that
                 # asyncio does not log it at ERROR as an exception nobody retrieved
                 following.cancel()
-                following.add_done_callback(_consume)
+                following.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Tokenizer:
         if self.tokenizer is None:

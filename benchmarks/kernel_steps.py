@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
 from tessera_engine import cpu_kernels
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import environment, log, median, wait_for_quiet  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
@@ -53,7 +55,7 @@ def matmul_step(k, rows: int, repeats: int) -> dict:
         step()
         times.append((time.perf_counter() - t) * 1e3)
     flops = 2 * rows * (LAYERS * sum(n * kk for n, kk in shapes.values()) + VOCAB * HIDDEN)
-    ms = statistics.median(times)
+    ms = median(times)
     return {"rows": rows, "ms": ms, "gflops": flops / ms / 1e6, "runs_ms": times}
 
 
@@ -88,7 +90,7 @@ def attention_step(k, placement: str, repeats: int) -> dict:
 
     step()
     times = [step() for _ in range(repeats)]
-    ms = statistics.median(times)
+    ms = median(times)
     kv_bytes = int(lens.sum()) * LAYERS * KV_HEADS * HEAD_DIM * 2 * 2
     return {"placement": placement, "ms": ms, "gb_per_s": kv_bytes / ms / 1e6, "runs_ms": times}
 
@@ -96,18 +98,23 @@ def attention_step(k, placement: str, repeats: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--wait-quiet", type=float, default=20.0,
+                    help="before each measurement wait up to this many seconds for other processes to use "
+                         "< 0.3 cores (0 = never wait)")
     ap.add_argument("--out", default=str(REPO / "results" / "kernel_steps.json"))
     args = ap.parse_args(argv)
     k = cpu_kernels.load()
     if k is None or not hasattr(k, "linear_bf16"):
-        print("tessera's CPU kernels did not load here", file=sys.stderr)
+        log("tessera's CPU kernels did not load here")
         return 1
-    results = {"threads": torch.get_num_threads(), "matmul": [], "attention": []}
+    results = {"environment": environment(packages=("torch",)), "matmul": [], "attention": []}
     for rows in (64, 512):
+        wait_for_quiet(args.wait_quiet, log=log)
         r = matmul_step(k, rows, args.repeats)
         results["matmul"].append(r)
         print(f"matmuls, {rows:3d} rows: {r['ms']:7.2f} ms a step, {r['gflops']:5.0f} GFLOPS", flush=True)
     for placement in ("round-robin", "random"):
+        wait_for_quiet(args.wait_quiet, log=log)
         r = attention_step(k, placement, args.repeats)
         results["attention"].append(r)
         print(f"attention, 64 rows, blocks {placement:11s}: {r['ms']:6.2f} ms a step, K/V read at "

@@ -1,4 +1,7 @@
-"""EngineConfig: everything the engine core is built from (model, cache, scheduler, device)."""
+"""EngineConfig: everything the engine core is built from (model, cache, scheduler, device).
+
+The settings as given; what they resolve to on this machine (device, dtype, kernels, token
+budget, quantized row limit) is decided once, by backend_plan.plan_backends."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,16 +9,17 @@ import dataclasses
 import torch
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-_CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# the names --dtype takes ("auto" aside): backend_plan.choose_dtype decides
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclasses.dataclass
 class EngineConfig:
     # model
     model: str | None = None          # HF directory or GGUF file; None = the embedded default
-    dtype: str = "auto"                # auto (see dtype_choice), float32, bfloat16, float16
+    dtype: str = "auto"                # auto (backend_plan.choose_dtype), float32, bfloat16, float16
     device: str = "auto"               # auto (cuda when present), cpu, cuda
     max_model_len: int | None = None   # default: the model's max_position_embeddings
     # cache
@@ -29,7 +33,7 @@ class EngineConfig:
     max_logprobs: int = 20             # cap on logprobs / prompt_logprobs per position (vLLM's default)
     max_waiting_requests: int = 1024   # samples waiting to start past which new requests are refused (0: no cap)
     step_timeout_s: float = 60.0       # the engine service's watchdog on one step (0: off)
-    max_num_batched_tokens: int | None = None  # token budget per step; None: see token_budget()
+    max_num_batched_tokens: int | None = None  # token budget per step; None: by device (backend_plan)
     scheduling_policy: str = "fcfs"    # fcfs or priority
     # the core loop: how long an idle engine waits for a burst the frontend says is coming
     # (SessionInput.more_coming) before its first step; 0 = never wait
@@ -43,57 +47,20 @@ class EngineConfig:
     # CPU: tessera's fused C++ kernels (attention, norms, rotary, quantized matmul), else plain torch ops
     cpu_kernels: bool = True
     cpu_kernels_prebuilt: str | None = None  # load them from this module file / variants directory
-    # GGUF: dequantize every weight at load instead of keeping Q4_0 / Q4_1 / Q8_0 weights as the
-    # file has them for the CPU kernels' quantized matmul (see quantized_max_rows)
+    # GGUF: dequantize every weight at load instead of keeping the quantized blocks as the
+    # file has them for the CPU kernels' quantized matmul
     gguf_dequantize: bool = False
-
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolved_dtype(self) -> torch.dtype:
-        return self.dtype_choice()[0]
-
-    def dtype_choice(self) -> tuple[torch.dtype, str]:
-        """The dtype the model runs in, and why. auto, as vLLM chooses: bf16 on CUDA and on a
-        CPU that computes bf16 natively (avx512_bf16 or amx_bf16), float32 on other CPUs."""
-        if self.dtype != "auto":
-            try:
-                return _DTYPES[self.dtype], "set by --dtype"
-            except KeyError:
-                raise ValueError(f"unknown dtype {self.dtype!r}") from None
-        if self.resolved_device().type == "cuda":
-            return torch.bfloat16, "auto: bfloat16 on CUDA"
-        from tessera_engine.cpu_kernels import cpu_flags
-
-        native = sorted(_CPU_BF16_FLAGS & cpu_flags())
-        if native:
-            return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({', '.join(native)})"
-        return torch.float32, "auto: float32, this CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
-
-    def token_budget(self) -> int:
-        """Tokens one step may compute. Unset: 2048 on CUDA; 512 on CPU, where prefill is
-        compute-bound: a burst's prompts then finish over several steps, so the first ones
-        start streaming sooner (median TTFT of 64 chat prompts at once: 0.54 s against 0.72-0.90
-        s at 2048, same throughput, measured here), and a long prompt never holds running
-        requests' next tokens for a whole 2048-token step."""
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return 2048 if self.resolved_device().type == "cuda" else 512
-
-    def quantized_max_rows(self, dtype: torch.dtype) -> int:
-        """Batches up to this many rows run a layer with a quantized weight on the quantized
-        matmul, larger ones on the dense weight (0: never). Crossovers measured here over all
-        of the default model's layers and its lm_head (2 cores, AVX512-BF16): bf16 against the
-        brgemm matmul, 4.5 against 6.8 ms at 1 row, 5.2 / 6.7 at 2, dense ahead from 4 (6.9 /
-        7.7); float32, whose dense matmul is not prepacked, quantized ahead up to 64 rows (99
-        against 116 ms)."""
-        if self.gguf_dequantize or self.resolved_device().type != "cpu":
-            return 0
-        return {torch.bfloat16: 3, torch.float32: 64}.get(dtype, 0)
+    # batches up to this many rows run a layer with quantized blocks on the quantized matmul,
+    # larger ones on the dense weights (0: never); None: timed at start (quantized_crossover.py)
+    quantized_max_rows: int | None = None
 
     def validate(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (auto, {', '.join(DTYPES)})")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        if self.quantized_max_rows is not None and self.quantized_max_rows < 0:
+            raise ValueError("quantized_max_rows must be >= 0")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:

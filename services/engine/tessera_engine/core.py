@@ -10,6 +10,8 @@ fan-out), so a slow client never blocks a step.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import queue
 import threading
@@ -22,7 +24,7 @@ from tessera_engine.kv_cache import KVCacheManager
 from tessera_engine.models.loader import LoadedModel
 from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, EngineStats, IterationStats,
                                     RequestError)
-from tessera_engine.request import EngineCoreRequest, Request, SampleKey
+from tessera_engine.request import EngineCoreRequest, Sample, SampleKey
 from tessera_engine.scheduler import Scheduler
 from tessera_engine.structured_output import Constraint, StructuredOutputManager, hf_tokenizer_of
 
@@ -58,13 +60,13 @@ class EngineCore:
         self.default_eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
                                        config.enable_prefix_caching, self.executor.model.sliding_window)
-        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, self.executor.plan.token_budget)
         log.info("scheduler ready", extra={"token_budget": self.scheduler.token_budget,
                                            "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
         self.step_count = 0
         self.failed_steps_in_a_row = 0
         self.structured = StructuredOutputManager(self._model_tokenizer, self.vocab_size)
-        self._compiling: list[Request] = []  # samples whose output constraint is still compiling
+        self._compiling: list[Sample] = []  # samples whose output constraint is still compiling
 
     def _model_tokenizer(self):
         """The model's HF tokenizer, which output constraints are compiled against."""
@@ -138,7 +140,7 @@ class EngineCore:
         eos = req.eos_token_ids or self.default_eos
         spec = req.sampling_params.structured
         for i in range(req.sampling_params.n):
-            sample = Request(req, i, eos)
+            sample = Sample(req, i, eos)
             if spec is not None:
                 sample.constraint = Constraint(self.structured, spec)
                 self._compiling.append(sample)
@@ -186,7 +188,7 @@ class EngineCore:
             return EngineCoreOutputs(failed)
         try:
             result = self.executor.execute_model(sched)
-            outs, num_prompt_tokens = self.scheduler.update_from_output(sched, result)
+            step = self.scheduler.update_from_output(sched, result)
             self.failed_steps_in_a_row = 0
         except Exception as exc:
             # The step's requests fail, not the engine; a fault that repeats (the model or
@@ -197,13 +199,15 @@ class EngineCore:
             log.exception("engine step failed; its requests fail", extra={
                 "requests": len(sched.scheduled), "failed_steps_in_a_row": self.failed_steps_in_a_row})
             error = RequestError("INTERNAL", f"the engine step running this request failed: {exc!r}")
-            outs = self.scheduler.fail([s.request for s in sched.scheduled], error)
-            num_prompt_tokens = 0
+            outs = self.scheduler.fail([s.sample for s in sched.scheduled], error)
+            step = EngineCoreOutputs(outs, IterationStats(0, 0.0, sched.num_batched_tokens, 0, len(outs),
+                                                          len(sched.preempted)))
         self.step_count += 1
-        outs = failed + outs
-        return EngineCoreOutputs(outs, IterationStats(
-            self.step_count, time.perf_counter() - started, sched.num_batched_tokens, num_prompt_tokens,
-            len(outs), len(sched.preempted)))
+        step.outputs[:0] = failed
+        step.iteration.step = self.step_count
+        step.iteration.num_generation_tokens = len(step.outputs)
+        step.iteration.duration_s = time.perf_counter() - started
+        return step
 
     def step(self) -> list[EngineCoreOutput]:
         """One step's outputs (run_step without its stats)."""
@@ -243,6 +247,22 @@ OutputCallback = Callable[[list[EngineCoreOutput], EngineStats, "IterationStats 
 IDLE_BATCH_GAP_S = 0.001  # idle start: inputs this close together belong to one burst
 
 
+class InputKind(enum.Enum):
+    ADD = "add"                      # payload: an EngineCoreRequest
+    ABORT = "abort"                  # payload: request ids (every sample of each)
+    ABORT_SAMPLES = "abort_samples"  # payload: SampleKeys
+    ABORT_CLIENT = "abort_client"    # payload: a client (session) id
+    MORE_COMING = "more_coming"      # payload: bool, the sender's hint after its adds
+    STOP = "stop"                    # no payload
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCoreInput:
+    """One message to the core loop from another thread."""
+    kind: InputKind
+    payload: object = None
+
+
 class EngineCoreLoop:
     """Runs EngineCore.run_loop on its own thread; other threads talk to it through a queue.
 
@@ -278,36 +298,39 @@ class EngineCoreLoop:
         return self.thread.is_alive() and self.error is None
 
     def add(self, req: EngineCoreRequest) -> None:
-        self.inputs.put(("add", req))
+        """Queue a request; it is checked on the core thread, and a refused one comes back as
+        its one output, finished with the error."""
+        self.inputs.put(EngineCoreInput(InputKind.ADD, req))
 
     def abort(self, request_ids: list[str]) -> None:
-        self.inputs.put(("abort", request_ids))
+        self.inputs.put(EngineCoreInput(InputKind.ABORT, request_ids))
 
     def more_coming(self, more: bool) -> None:
         """The sender's hint after its adds: more requests are on their way (see the class doc)."""
-        self.inputs.put(("more", more))
+        self.inputs.put(EngineCoreInput(InputKind.MORE_COMING, more))
 
     def abort_samples(self, keys: list[SampleKey]) -> None:
-        self.inputs.put(("abort_samples", keys))
+        self.inputs.put(EngineCoreInput(InputKind.ABORT_SAMPLES, keys))
 
     def abort_client(self, client_id: str) -> None:
-        self.inputs.put(("abort_client", client_id))
+        self.inputs.put(EngineCoreInput(InputKind.ABORT_CLIENT, client_id))
 
     def stop(self) -> None:
         self.stopped = True
-        self.inputs.put(("stop", None))
+        self.inputs.put(EngineCoreInput(InputKind.STOP))
 
-    def _handle(self, kind: str, arg, outs: list[EngineCoreOutput]) -> None:
-        if kind == "add":
+    def _handle(self, msg: EngineCoreInput, outs: list[EngineCoreOutput]) -> None:
+        kind, arg = msg.kind, msg.payload
+        if kind is InputKind.ADD:
             try:
                 self.core.add_request(arg)
             except RequestRejected as exc:
                 outs.append(exc.output(arg))
-        elif kind == "abort":
+        elif kind is InputKind.ABORT:
             outs.extend(self.core.abort_requests(arg))
-        elif kind == "abort_samples":
+        elif kind is InputKind.ABORT_SAMPLES:
             outs.extend(self.core.abort_samples(arg))
-        elif kind == "abort_client":
+        elif kind is InputKind.ABORT_CLIENT:
             outs.extend(self.core.abort_client(arg))  # nobody reads them, but they are counted and logged
 
     def _take_inputs(self, outs: list[EngineCoreOutput], idle: bool) -> bool | None:
@@ -328,19 +351,19 @@ class EngineCoreLoop:
             else:
                 timeout = 0.0
             try:
-                kind, arg = self.inputs.get(block=block or timeout > 0, timeout=timeout)
+                msg = self.inputs.get(block=block or timeout > 0, timeout=timeout)
             except queue.Empty:
                 return handled
-            if kind == "stop":
+            if msg.kind is InputKind.STOP:
                 return None
             last = time.monotonic()
             if block:
                 deadline = last + wait_s
             block = False
-            if kind == "more":
-                more = bool(arg)
+            if msg.kind is InputKind.MORE_COMING:
+                more = bool(msg.payload)
                 continue
-            self._handle(kind, arg, outs)
+            self._handle(msg, outs)
             handled = True
 
     def run_loop(self) -> None:

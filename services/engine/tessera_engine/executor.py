@@ -8,11 +8,11 @@ import logging
 
 import torch
 
-from tessera_engine import cpu_kernels, cpu_threads
+from tessera_engine.backend_plan import plan_backends
 from tessera_engine.config import EngineConfig
-from tessera_engine.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_block
-from tessera_engine.models.loader import LoadedModel, load_model
-from tessera_engine.scheduler import SchedulerOutput
+from tessera_engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from tessera_engine.models.loader import LoadedModel
+from tessera_engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -37,24 +37,15 @@ def rss_mib() -> int | None:
 class UniProcExecutor:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         """loaded: an already loaded model to reuse (tests and benchmarks build several
-        engines over one set of weights); it must match config's device and dtype."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = config.resolved_device()
-        if self.device.type == "cpu" and config.cpu_threads_bind != "off":
-            cpu_threads.bind(config.cpu_threads_bind,
-                             cpu_kernels.load(config.cpu_kernels_prebuilt) if config.cpu_kernels else None)
-        self.dtype, why = config.dtype_choice()
-        log.info("dtype chosen", extra={"dtype": str(self.dtype).removeprefix("torch."), "why": why})
+        engines over one set of weights); it must be in the device and dtype config resolves to."""
         torch.manual_seed(config.seed)
-        if loaded is None:
-            loaded = load_model(config.model, config.max_model_len, self.dtype, self.device,
-                                keep_quantized=config.quantized_max_rows(self.dtype) > 0)
+        self.plan, loaded = plan_backends(config, loaded)
+        self.device, self.dtype = self.plan.device, self.plan.dtype
         self.model, self.hf_config, self.model_name, self.max_model_len = loaded
         if config.max_model_len:  # a shared model may allow more than this engine is configured for
             self.max_model_len = min(config.max_model_len, self.max_model_len)
         self.num_blocks = self._num_blocks(config)
-        self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size, self.plan)
         self.runner.sampler.seed(config.seed)
         return_freed_memory()
         log.info("kv cache allocated", extra={"num_blocks": self.num_blocks, "block_size": config.block_size,

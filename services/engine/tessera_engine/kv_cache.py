@@ -29,7 +29,7 @@ import hashlib
 from array import array
 from typing import NamedTuple, Sequence
 
-from tessera_engine.request import Request, SampleKey
+from tessera_engine.request import Sample, SampleKey
 
 FREED_BLOCK = -1  # a block table entry whose block a sliding window let go
 
@@ -126,12 +126,12 @@ class KVCacheManager:
     def stats(self) -> KVCacheStats:
         return KVCacheStats(self.num_blocks, self.num_free_blocks, self.queries, self.hits)
 
-    def block_table(self, req: Request) -> list[int]:
+    def block_table(self, req: Sample) -> list[int]:
         blocks = self.req_blocks.get(req.key)
         return blocks.block_ids if blocks is not None else []
 
     # -- prefix cache --------------------------------------------------------
-    def _block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+    def _block_hashes(self, req: Sample, num_tokens: int) -> list[bytes]:
         """Hashes of the request's full blocks among its first num_tokens tokens (memoized)."""
         hashes = self.req_blocks.setdefault(req.key, RequestBlocks()).hashes
         bs = self.block_size
@@ -142,7 +142,7 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
-    def find_cached_prefix(self, req: Request) -> PrefixHit:
+    def find_cached_prefix(self, req: Sample) -> PrefixHit:
         """Longest cached prefix of a request about to be scheduled from scratch.
 
         At least one token is always left to compute, since its logits are needed to
@@ -212,7 +212,7 @@ class KVCacheManager:
             self.hits += num_hit
 
     # -- allocation ----------------------------------------------------------
-    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def allocate(self, req: Sample, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make room for num_new_tokens more tokens of req (after its computed ones).
 
         hit: the prefix found by find_cached_prefix, taken on the first allocation (its
@@ -258,7 +258,7 @@ class KVCacheManager:
             del self.free_queue[block_id]
         block.ref_cnt += 1
 
-    def copy_for(self, req: Request, hit: PrefixHit) -> KVCopy | None:
+    def copy_for(self, req: Sample, hit: PrefixHit) -> KVCopy | None:
         """The copy a partial hit asks for, once allocate took it: into the request's first fresh block."""
         if hit.copy_from is None:
             return None
@@ -273,7 +273,7 @@ class KVCacheManager:
         self._pinned.clear()
         self._step_copies.clear()
 
-    def _free_outside_window(self, req: Request, num_computed: int) -> None:
+    def _free_outside_window(self, req: Sample, num_computed: int) -> None:
         """Free the blocks no token from position num_computed on attends: the window of
         the step's first token starts in block _first_needed_block(num_computed)."""
         blocks = self.req_blocks[req.key]
@@ -306,7 +306,7 @@ class KVCacheManager:
                     del self.partial[key]
         block.partial_keys = None
 
-    def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def _register_full_blocks(self, req: Sample, num_tokens: int) -> None:
         """Publish the blocks that will be full after this step under their hashes.
 
         Their K/V is written in this step's forward pass before any attention
@@ -343,7 +343,7 @@ class KVCacheManager:
         for block_id in self.free_queue:
             self._unpublish(self.blocks[block_id])
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Sample) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first)."""
         blocks = self.req_blocks.pop(req.key, None)
         if blocks is None or not blocks.block_ids:

@@ -8,7 +8,6 @@ positions when prompt logprobs were asked for) and samples.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import mmap
@@ -16,25 +15,14 @@ import time
 
 import torch
 
-from tessera_engine import cpu_kernels
-from tessera_engine.attention import CpuKernelAttention, DecodeEntry, PrefillChunk, TorchAttention
-from tessera_engine.config import EngineConfig
+from tessera_engine.attention import DecodeEntry, PrefillChunk
+from tessera_engine.backend_plan import BackendPlan
 from tessera_engine.kv_cache import KVCopy
-from tessera_engine.ops import CpuKernelOps, TorchOps
-from tessera_engine.outputs import TokenLogprobs
+from tessera_engine.outputs import ModelRunnerOutput, ScheduledSample, SchedulerOutput, TokenLogprobs
 from tessera_engine.request import SampleKey
 from tessera_engine.sampler import Sampler, compute_logprobs
-from tessera_engine.scheduler import ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class ModelRunnerOutput:
-    sampled: dict[SampleKey, int]                   # a new token for each sample that reached its end
-    logprobs: dict[SampleKey, TokenLogprobs]        # that token's logprobs, when asked
-    # the logprobs of the prompt positions this step computed, when asked (None: the first position)
-    prompt_logprobs: dict[SampleKey, list[TokenLogprobs | None]]
 
 
 def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -57,51 +45,25 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.frombuffer(raw, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
-def select_backends(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
-                    device: torch.device, sliding_window: int | None = None) -> tuple[TorchAttention, TorchOps]:
-    """The attention and op backends, chosen once per engine: tessera's fused CPU kernels on CPU
-    when --cpu-kernels is on and they load, torch ops otherwise."""
-    kernels = None
-    if device.type != "cpu":
-        why = f"torch ops on {device.type}"
-    elif not config.cpu_kernels:
-        why = "torch ops: --cpu-kernels is off"
-    else:
-        kernels = cpu_kernels.load(config.cpu_kernels_prebuilt)
-        why = "fused CPU kernels" if kernels is not None else "torch ops: the fused CPU kernels did not load"
-    if kernels is None:
-        attention, ops = TorchAttention(config.block_size, num_kv_heads, dtype, device, sliding_window), TorchOps()
-    else:
-        attention = CpuKernelAttention(kernels, config.block_size, num_kv_heads, dtype, device, sliding_window)
-        ops = CpuKernelOps(kernels)
-    log.info("backend chosen", extra={"attention": attention.name, "ops": ops.name, "why": why,
-                                      "sliding_window": sliding_window})
-    return attention, ops
-
-
 class ModelRunner:
-    def __init__(self, model, hf_config, num_blocks: int, config: EngineConfig,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model, hf_config, num_blocks: int, block_size: int, plan: BackendPlan) -> None:
         self.model = model
-        self.device = device
-        self.block_size = config.block_size
-        self.dtype = dtype
+        self.device = device = plan.device
+        self.block_size = block_size
+        self.dtype = plan.dtype
         self.vocab_size = hf_config.vocab_size
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        shape = (num_blocks * config.block_size, hf_config.num_key_value_heads, head_dim)
-        self.kv_caches = [(zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device))
+        shape = (num_blocks * block_size, hf_config.num_key_value_heads, head_dim)
+        self.kv_caches = [(zeroed_pool(shape, plan.dtype, device), zeroed_pool(shape, plan.dtype, device))
                           for _ in range(hf_config.num_hidden_layers)]
-        self.attention, self.ops = select_backends(config, hf_config.num_key_value_heads, dtype, device,
-                                                   model.sliding_window)
-        q_max_rows = config.quantized_max_rows(dtype)
-        paths = model.use_backend(self.attention, self.ops, q_max_rows)
-        dense = self.ops.dense_packing.name if dtype == torch.bfloat16 and device.type == "cpu" else "torch"
-        log.info("linear layers", extra={"paths": paths, "dense_matmul": dense, "quantized_max_rows": q_max_rows if
-                                         set(paths) - {"dense"} else 0,
-                                         "why": "--gguf-dequantize" if config.gguf_dequantize else
-                                         "GGUF Q4_0/Q4_1/Q8_0 weights run quantized up to quantized_max_rows rows"})
+        self.attention = plan.attention(block_size, hf_config.num_key_value_heads, model.sliding_window)
+        self.ops = plan.ops
+        paths = model.use_backend(self.attention, self.ops, plan.quantized_max_rows)
+        log.info("linear layers", extra={"paths": paths, "dense_matmul": plan.dense_matmul,
+                                         "quantized_max_rows": plan.quantized_max_rows if set(paths) - {"dense"} else 0,
+                                         "sliding_window": model.sliding_window})
         self.sampler = Sampler(self.vocab_size, device, self.ops)
-        self._arange_bs = torch.arange(config.block_size, device=device)
+        self._arange_bs = torch.arange(block_size, device=device)
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) of a request with this block table."""
@@ -111,7 +73,7 @@ class ModelRunner:
         slots = (blocks.unsqueeze(1) * bs + self._arange_bs).flatten()
         return slots[start - first * bs:end - first * bs]
 
-    def _prepare(self, scheduled: list[ScheduledRequest], kv_copies: list[KVCopy] = ()):
+    def _prepare(self, scheduled: list[ScheduledSample], kv_copies: list[KVCopy] = ()):
         """The step's flat batch (decodes first, then prefill chunks) and its attention metadata."""
         bs = self.block_size
         dev = self.device
@@ -122,7 +84,7 @@ class ModelRunner:
         decode_slots: list[int] = []
         for s in decodes:
             p = s.start
-            ids.append(s.request.all_token_ids[p])
+            ids.append(s.sample.all_token_ids[p])
             pos.append(p)
             decode_slots.append(s.block_table[p // bs] * bs + p % bs)
         slot_parts = [torch.tensor(decode_slots, dtype=torch.long, device=dev)]
@@ -130,7 +92,7 @@ class ModelRunner:
         q_start = len(decodes)
         for s in prefills:
             start, end = s.start, s.start + s.num_new_tokens
-            ids.extend(s.request.all_token_ids[start:end])
+            ids.extend(s.sample.all_token_ids[start:end])
             pos.extend(range(start, end))
             slot_parts.append(self._slots(s.block_table, start, end))
             chunks.append(PrefillChunk(q_start, start, end, s.block_table))
@@ -158,7 +120,7 @@ class ModelRunner:
         prompt_lp: dict[SampleKey, list[TokenLogprobs | None]] = {}
         offset = 0
         for s in ordered:
-            req = s.request
+            req = s.sample
             if s.samples:
                 sample_rows.append(offset + s.num_new_tokens - 1)
                 sample_reqs.append(req)
@@ -217,10 +179,10 @@ class ModelRunner:
         times["decode_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         return times
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, s: ScheduledRequest
+    def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, s: ScheduledSample
                          ) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. (predicted by this chunk's positions)."""
-        req = s.request
+        req = s.sample
         n_prompt = req.num_prompt_tokens
         first, last = s.start, min(s.start + s.num_new_tokens, n_prompt - 1)
         entries: list[TokenLogprobs | None] = [None] if s.start == 0 else []  # the first prompt token has none

@@ -3,8 +3,8 @@
 TorchOps computes with torch ops, rounding as HF transformers does; CpuKernelOps runs
 the same ops in tessera's fused CPU kernels (tessera_engine.cpu_kernels: one pass each,
 rounding where the torch ops round), and has the matmul and embedding lookup for GGUF
-block-quantized weights. The model runner picks one (see ModelRunner) and hands it to the
-model's layers and the sampler.
+block-quantized weights. The backend plan (backend_plan.py) picks one, and the model runner
+hands it to the model's layers and the sampler.
 """
 from __future__ import annotations
 
@@ -51,14 +51,11 @@ class CpuKernelOps(TorchOps):
         self.qembedding = kernels.qembedding
         self.dense_packing = BrgemmPacking.checked(kernels) or ONEDNN
 
+    # activations and weights share the plan's dtype (the model is built in it)
     def rms_norm(self, x, weight, eps):
-        if x.dtype != weight.dtype:
-            return TorchOps.rms_norm(x, weight, eps)
         return self.kernels.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        if x.dtype != weight.dtype:
-            return super().add_rms_norm(x, residual, weight, eps)
         return self.kernels.add_rms_norm_(x, residual, weight, eps), residual  # residual updated in place
 
     def silu_and_mul(self, gate_up):

@@ -1,9 +1,18 @@
-"""The typed messages the engine core hands out: per-sample outputs, per-step stats, and the
-logprob entries both carry. They map onto tessera.v1's RequestOutput and EngineStats."""
+"""The typed messages of one engine step, in the order they flow:
+
+  Scheduler.schedule ─ SchedulerOutput ─▶ ModelRunner.execute ─ ModelRunnerOutput ─▶
+  Scheduler.update_from_output ─ EngineCoreOutputs (an EngineCoreOutput per sample, the
+  step's IterationStats) ─▶ the core loop's callback.
+
+EngineCoreOutput and EngineStats map onto tessera.v1's RequestOutput and EngineStats.
+"""
 from __future__ import annotations
 
 import dataclasses
 from typing import NamedTuple
+
+from tessera_engine.kv_cache import KVCopy
+from tessera_engine.request import Sample, SampleKey
 
 
 class TokenLogprobs(NamedTuple):
@@ -13,6 +22,43 @@ class TokenLogprobs(NamedTuple):
     rank: int                 # 1 = the most likely token
     top_ids: list[int]
     top_logprobs: list[float]
+
+
+@dataclasses.dataclass
+class ScheduledSample:
+    """One sample's share of a step: num_new_tokens of its tokens from position start."""
+    sample: Sample
+    num_new_tokens: int
+    start: int  # position of the first token computed this step (= tokens computed before)
+    block_table: list[int]  # the sample's blocks (a live view kept by the KV cache manager)
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.sample.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one step computes (the scheduler's decision, the model runner's input)."""
+    scheduled: list[ScheduledSample]
+    preempted: list[Sample]
+    num_batched_tokens: int
+    # partial prefix-cache hits: slots copied between blocks before the step's attention reads them
+    kv_copies: list[KVCopy] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced (the model runner's output, the scheduler's input)."""
+    sampled: dict[SampleKey, int]                   # a new token for each sample that reached its end
+    logprobs: dict[SampleKey, TokenLogprobs]        # that token's logprobs, when asked
+    # the logprobs of the prompt positions this step computed, when asked (None: the first position)
+    prompt_logprobs: dict[SampleKey, list[TokenLogprobs | None]]
 
 
 class RequestError(NamedTuple):

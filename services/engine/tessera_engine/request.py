@@ -1,4 +1,4 @@
-"""EngineCoreRequest (what a client submits, tokenized) and Request (one sample being generated, with its state)."""
+"""EngineCoreRequest (what a client submits, tokenized) and Sample (one sample being generated, with its state)."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +40,7 @@ class EngineCoreRequest:
     received_time: float = dataclasses.field(default_factory=time.time)
 
 
-class Request:
+class Sample:
     """One sample of an EngineCoreRequest; n > 1 makes n of these (index 0..n-1)."""
 
     def __init__(self, core_req: EngineCoreRequest, index: int, eos_token_ids: list[int]) -> None:
@@ -102,5 +102,5 @@ class Request:
         return False
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}#{self.index}, {self.status.value}, "
+        return (f"Sample({self.request_id!r}#{self.index}, {self.status.value}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")

@@ -17,7 +17,7 @@ import torch
 
 from tessera_engine.ops import TorchOps
 from tessera_engine.outputs import TokenLogprobs
-from tessera_engine.request import Request
+from tessera_engine.request import Sample
 from tessera_engine.structured_output import unpack_bitmask
 
 
@@ -54,14 +54,14 @@ class Sampler:
     def seed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
-    def _generator_for(self, req: Request) -> torch.Generator:
+    def _generator_for(self, req: Sample) -> torch.Generator:
         """The request's own generator, seeded with seed + sample index on first use."""
         if req.generator is None:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(req.params.seed + req.index)
         return req.generator
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Sample]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         if not rows:
             return
@@ -80,7 +80,7 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Sample]) -> None:
         for i, r in enumerate(reqs):
             bias = r.params.logit_bias
             if bias:
@@ -88,7 +88,7 @@ class Sampler:
                 logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
 
     @staticmethod
-    def _apply_constraints(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_constraints(logits: torch.Tensor, reqs: list[Sample]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.constraint is not None]
         if not rows:
             return
@@ -101,7 +101,7 @@ class Sampler:
         logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
     @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_min_tokens(logits: torch.Tensor, reqs: list[Sample]) -> None:
         for i, r in enumerate(reqs):
             # a constrained sample ends when its constraint is complete, not before
             if r.num_output_tokens < r.params.min_tokens and r.constraint is None:
@@ -112,7 +112,7 @@ class Sampler:
                     logits[i, list(blocked)] = float("-inf")
 
     @staticmethod
-    def _plain_greedy(r: Request) -> bool:
+    def _plain_greedy(r: Sample) -> bool:
         """Greedy with nothing that changes or reads the logits (penalties, logit_bias, min_tokens,
         logprobs) but, perhaps, an output constraint (see _constrain_greedy)."""
         p = r.params
@@ -120,7 +120,7 @@ class Sampler:
                 and (r.constraint is not None or not r.num_output_tokens < p.min_tokens))
 
     @staticmethod
-    def _constrain_greedy(logits: torch.Tensor, reqs: list[Request], tokens: list[int]) -> None:
+    def _constrain_greedy(logits: torch.Tensor, reqs: list[Sample], tokens: list[int]) -> None:
         """Constrained greedy rows: the row's argmax when the constraint allows it (then it is
         also the argmax of the allowed tokens, first maximum included) - one token checked, no
         mask built; else the argmax over the constraint's mask."""
@@ -131,7 +131,7 @@ class Sampler:
                 allowed = unpack_bitmask(bitmask, logits.shape[1])[0].to(logits.device)
                 tokens[i] = int(logits[i].float().masked_fill(~allowed, float("-inf")).argmax())
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: list[Sample]) -> SamplerOutput:
         """logits [B, V] for the rows that sample this step, reqs in the same order."""
         fast = [self._plain_greedy(r) for r in reqs]
         if all(fast):
@@ -151,7 +151,7 @@ class Sampler:
             return SamplerOutput(tokens, logprobs)
         return self._sample(logits, reqs)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, reqs: list[Sample]) -> SamplerOutput:
         """Every processor and draw, for rows that need more than an argmax."""
         raw = logits
         logits = logits.float().clone()

@@ -22,66 +22,38 @@ finished requests retired and every sample that got a token gets its output.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 from tessera_engine.config import EngineConfig
 from tessera_engine.kv_cache import KVCacheManager, KVCopy
-from tessera_engine.outputs import EngineCoreOutput, RequestError, RequestTiming
-from tessera_engine.request import Request, RequestStatus, SampleKey
+from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, IterationStats, ModelRunnerOutput,
+                                    RequestError, RequestTiming, ScheduledSample, SchedulerOutput)
+from tessera_engine.request import RequestStatus, Sample, SampleKey
 
-if TYPE_CHECKING:
-    from tessera_engine.model_runner import ModelRunnerOutput
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
            RequestStatus.FINISHED_ABORTED: "abort"}
 
 
-@dataclasses.dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    start: int  # position of the first token computed this step (= tokens computed before)
-    block_table: list[int]  # the request's blocks (a live view kept by the KV cache manager)
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]
-    num_batched_tokens: int
-    # partial prefix-cache hits: slots copied between blocks before the step's attention reads them
-    kv_copies: list[KVCopy] = dataclasses.field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 token_budget: int) -> None:
         self.config = config
         self.kv = kv_cache
         self.max_model_len = max_model_len
         self.priority = config.scheduling_policy == "priority"
-        self.token_budget = config.token_budget()
-        self.waiting: list[Request] = []
-        self.arrived: list[Request] = []  # fcfs: added since the last step, queued at its start
-        self.running: list[Request] = []
-        self.requests: dict[SampleKey, Request] = {}
+        self.token_budget = token_budget  # tokens one step may compute (the backend plan's)
+        self.waiting: list[Sample] = []
+        self.arrived: list[Sample] = []  # fcfs: added since the last step, queued at its start
+        self.running: list[Sample] = []
+        self.requests: dict[SampleKey, Sample] = {}
         self.num_preemptions = 0
 
     # -- queues ----------------------------------------------------------------
-    def _order(self, req: Request) -> tuple:
+    def _order(self, req: Sample) -> tuple:
         return (req.priority, req.arrival_time) if self.priority else (req.arrival_time,)
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Sample) -> None:
         self.requests[req.key] = req
         if self.priority:
             self._enqueue_waiting(req)
@@ -99,7 +71,7 @@ class Scheduler:
         self.waiting.extend(self.arrived)
         self.arrived.clear()
 
-    def _enqueue_waiting(self, req: Request) -> None:
+    def _enqueue_waiting(self, req: Sample) -> None:
         """priority: into the waiting queue by (priority, arrival), so a preempted request keeps
         its rank; fcfs (a preempted request, new ones come through `arrived`): at the front."""
         if self.priority:
@@ -114,7 +86,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.arrived)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Sample, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks at once."""
         req.status = status
         if req.constraint is not None:
@@ -138,7 +110,7 @@ class Scheduler:
                 outs.append(make_output(req, []))
         return outs
 
-    def fail(self, reqs: list[Request], error: RequestError) -> list[EngineCoreOutput]:
+    def fail(self, reqs: list[Sample], error: RequestError) -> list[EngineCoreOutput]:
         """End these requests with `error` (the step that ran them failed): one output each,
         their blocks freed, and no block published for that step reused (its K/V may be unwritten)."""
         outs = []
@@ -152,12 +124,12 @@ class Scheduler:
         return outs
 
     # -- scheduling --------------------------------------------------------------
-    def _victim(self) -> Request:
+    def _victim(self) -> Sample:
         if self.priority:
             return max(self.running, key=self._order)
         return self.running[-1]
 
-    def _preempt(self, victim: Request) -> None:
+    def _preempt(self, victim: Sample) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
@@ -174,8 +146,8 @@ class Scheduler:
         if self.arrived:
             self._queue_arrivals()
         budget = self.token_budget
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        scheduled: list[ScheduledSample] = []
+        preempted: list[Sample] = []
         kv_copies: list[KVCopy] = []
         now = time.time()
 
@@ -189,7 +161,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
                 for s in scheduled:
-                    if s.request is victim:  # priority policy may pick one already scheduled
+                    if s.sample is victim:  # priority policy may pick one already scheduled
                         scheduled.remove(s)
                         budget += s.num_new_tokens
                         i -= 1
@@ -197,7 +169,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                scheduled.append(ScheduledSample(req, num_new, req.num_computed_tokens,
                                                    self.kv.block_table(req)))
                 budget -= num_new
                 i += 1
@@ -230,20 +202,19 @@ class Scheduler:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, num_new, num_cached, self.kv.block_table(req)))
+            scheduled.append(ScheduledSample(req, num_new, num_cached, self.kv.block_table(req)))
             budget -= num_new
 
         return SchedulerOutput(scheduled, preempted, self.token_budget - budget, kv_copies)
 
-    def update_from_output(self, sched: SchedulerOutput, result: "ModelRunnerOutput"
-                           ) -> tuple[list[EngineCoreOutput], int]:
-        """Apply one step's model output; returns the step's outputs and the prompt tokens of the
-        samples that got their first token (for the iteration stats)."""
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Apply one step's model output; returns the step's outputs and its stats (the core
+        fills in the step's number and duration)."""
         now = time.time()
         outs: list[EngineCoreOutput] = []
         num_prompt_tokens = 0
         for s in sched.scheduled:
-            req = s.request
+            req = s.sample
             req.num_computed_tokens += s.num_new_tokens
             chunk_prompt_logprobs = result.prompt_logprobs.get(req.key)
             if chunk_prompt_logprobs is not None:
@@ -269,10 +240,11 @@ class Scheduler:
                 out.prompt_logprobs = req.prompt_logprobs
                 req.prompt_logprobs_done = True
             outs.append(out)
-        return outs, num_prompt_tokens
+        return EngineCoreOutputs(outs, IterationStats(0, 0.0, sched.num_batched_tokens, num_prompt_tokens,
+                                                      len(outs), len(sched.preempted)))
 
 
-def make_output(req: Request, tokens: list[int], now: float | None = None) -> EngineCoreOutput:
+def make_output(req: Sample, tokens: list[int], now: float | None = None) -> EngineCoreOutput:
     """A sample's output carrying these new tokens; with its timing once it has finished."""
     out = EngineCoreOutput(
         request_id=req.request_id, index=req.index, client_id=req.client_id,

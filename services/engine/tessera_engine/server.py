@@ -289,7 +289,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 raise RequestRejected("INVALID_ARGUMENT", "request_id is empty")
             if self.draining:
                 raise RequestRejected("UNAVAILABLE", DRAINING_MESSAGE)
-            self.core.check_request(req)
+            if (client_id, pb.request_id) in self._in_flight:  # the session's own bookkeeping needs it unique
+                raise RequestRejected("ALREADY_EXISTS", f"request_id {pb.request_id!r} is already running")
         except RequestRejected as exc:
             out = exc.output(req)
             self.metrics.record_finished(out)  # the request's one log line
@@ -358,8 +359,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--cpu-kernels-prebuilt", "TESSERA_CPU_KERNELS_PREBUILT", None,
              help="load the fused CPU kernels from this module file instead of building them (the engine image)")
     add_flag(p, "--gguf-dequantize", "TESSERA_GGUF_DEQUANTIZE", False, type=bool,
-             help="GGUF: dequantize every weight at load (default: Q4_0 / Q4_1 / Q8_0 weights stay as the file "
-                  "has them and the CPU kernels' quantized matmul runs small batches on them)")
+             help="GGUF: dequantize every weight at load (default: the quantized types the CPU kernels take stay "
+                  "as the file has them and their quantized matmul runs small batches on them)")
+    add_flag(p, "--quantized-max-rows", "TESSERA_QUANTIZED_MAX_ROWS", None, type=int,
+             help="GGUF on CPU: batches up to this many rows run a layer's quantized blocks on the quantized "
+                  "matmul, larger ones its dense weights (0: never; default: timed at first start on this "
+                  "CPU and model, then cached)")
     add_flag(p, "--allocator", allocator.ENV, "auto", choices=list(allocator.CHOICES),
              help="memory allocator: tcmalloc when found (auto), tcmalloc (required) or system (glibc); "
                   "the engine re-executes itself once to preload it")
@@ -388,7 +393,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads,
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
-        gguf_dequantize=args.gguf_dequantize)
+        gguf_dequantize=args.gguf_dequantize, quantized_max_rows=args.quantized_max_rows)
 
 
 async def serve(args: argparse.Namespace) -> int:

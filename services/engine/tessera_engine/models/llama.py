@@ -8,7 +8,7 @@ with `use_backend`.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -21,6 +21,14 @@ from tessera_engine.models.rotary import RotaryEmbedding
 from tessera_engine.ops import TorchOps
 
 _TORCH_OPS = TorchOps()
+
+
+class MatmulPair(NamedTuple):
+    """One matmul with a quantized weight, runnable either way (LlamaForCausalLM.matmul_pairs)."""
+    in_features: int
+    signature: tuple[int, int, int]  # (out features, in features, ggml type)
+    quantized: Callable[[torch.Tensor], torch.Tensor]
+    dense: Callable[[torch.Tensor], torch.Tensor]
 
 
 def sliding_window(config) -> int | None:
@@ -197,30 +205,56 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
-    def use_backend(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int = 0) -> dict:
-        """The model runner's attention and op backends, for every layer; layers with a
-        quantized weight use the backend's qlinear for up to q_max_rows rows (0: never).
-        Returns how many linear layers took each path ("Q4_1": 210, "dense": 1, ...)."""
+    def pack_dense(self, packing) -> None:
+        """Pack every dense CPU bf16 weight once for `packing` (models/packed_linear.py), freeing
+        the plain copies; a weight that cannot be packed stays as it is."""
+        self._tied_pw.use(packing)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack_for_good(packing)
+
+    def has_quantized(self) -> bool:
+        return self.embed_q is not None or any(isinstance(m, Linear) and m.qweight is not None
+                                               for m in self.modules())
+
+    def matmul_pairs(self, qlinear) -> list["MatmulPair"]:
+        """Each matmul with a quantized weight, in forward order, as its two ways of running: the
+        `qlinear` kernel on the quantized blocks and the dense (packed) path (see
+        quantized_crossover.py, which times them)."""
+        pairs = []
+        for m in self.modules():
+            if isinstance(m, Linear) and m.qweight is not None:
+                pairs.append(MatmulPair(
+                    m.in_features, (m.out_features, m.in_features, m.qweight.qtype),
+                    lambda x, m=m: qlinear(x, m.qweight.data, m.qweight.qtype, m.bias),
+                    lambda x, m=m: m._pw.linear(x, m.weight, m.bias)))
+        if self.lm_head is None and self.embed_q is not None:
+            w = self.embed_tokens.weight
+            pairs.append(MatmulPair(
+                w.shape[1], (w.shape[0], w.shape[1], self.embed_q.qtype),
+                lambda x: qlinear(x, self.embed_q.data, self.embed_q.qtype, None),
+                lambda x: self._tied_pw.linear(x, w, None)))
+        return pairs
+
+    def use_backend(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int) -> dict:
+        """The backend plan's attention and ops, for every layer; layers with a quantized weight
+        run the ops' qlinear for up to q_max_rows rows (0: never). Returns how many linear
+        layers took each path ("Q4_1": 210, "dense": 1, ...)."""
         self.attention = attention
         paths: dict[str, int] = {}
-        weight = self.embed_tokens.weight
-        on_cpu = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-        qlinear = getattr(ops, "qlinear", None) if q_max_rows > 0 and on_cpu else None
-        packing = getattr(ops, "dense_packing", ONEDNN)
-        self._tied_pw.use(packing)
+        qlinear = ops.qlinear if q_max_rows > 0 else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, LlamaMLP)):
                 m.ops = ops
             elif isinstance(m, LlamaAttention):
                 m.backend = attention
             elif isinstance(m, Linear):
-                m.pack_for_good(packing)
                 usable = qlinear is not None and m.qweight is not None
                 m.qlinear, m.q_max_rows = (qlinear, q_max_rows) if usable else (None, 0)
                 kind = m.qweight.type_name if usable else "dense"
                 paths[kind] = paths.get(kind, 0) + 1
         use_tied = qlinear is not None and self.embed_q is not None and self.lm_head is None
-        self.qembedding = getattr(ops, "qembedding", None) if use_tied else None
+        self.qembedding = ops.qembedding if use_tied else None
         self.tied_qlinear, self.tied_q_max_rows = (qlinear, q_max_rows) if use_tied else (None, 0)
         if self.lm_head is None:
             kind = self.embed_q.type_name if use_tied else "dense"

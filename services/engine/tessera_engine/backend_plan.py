@@ -1,0 +1,150 @@
+"""BackendPlan: where and how the engine computes, decided once at engine start.
+
+plan_backends makes every device, dtype and kernel decision, each with its reason, and the
+executor logs the plan once and hands it down: to the loader (dtype, device, whether a GGUF
+file's quantized blocks are kept), the model runner (attention and op backends), the model's
+layers (how dense weights are packed, the quantized matmul and the batch size up to which
+it runs) and the sampler (the ops). None of them decides again.
+
+The quantized matmul reads fewer bytes a weight, the dense one computes more efficiently
+per row, so which is faster up to how many rows depends on the CPU, the thread count and
+the weights: it is timed at start on the loaded model (quantized_crossover.py), not assumed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+
+import torch
+
+from tessera_engine import cpu_kernels, cpu_threads
+from tessera_engine.attention import CpuKernelAttention, TorchAttention
+from tessera_engine.config import DTYPES, EngineConfig
+from tessera_engine.models.loader import LoadedModel, load_model
+from tessera_engine.ops import CpuKernelOps, TorchOps
+from tessera_engine.quantized_crossover import crossover_rows
+
+log = logging.getLogger(__name__)
+
+_CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def choose_device(setting: str) -> tuple[torch.device, str]:
+    if setting != "auto":
+        return torch.device(setting), "set by --device"
+    if torch.cuda.is_available():
+        return torch.device("cuda"), "auto: CUDA is available"
+    return torch.device("cpu"), "auto: no CUDA device"
+
+
+def choose_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """auto, as vLLM chooses: bf16 on CUDA and on a CPU that computes bf16 natively
+    (avx512_bf16 or amx_bf16), float32 on other CPUs."""
+    if setting != "auto":
+        try:
+            return DTYPES[setting], "set by --dtype"
+        except KeyError:
+            raise ValueError(f"unknown dtype {setting!r}") from None
+    if device.type == "cuda":
+        return torch.bfloat16, "auto: bfloat16 on CUDA"
+    native = sorted(_CPU_BF16_FLAGS & cpu_kernels.cpu_flags())
+    if native:
+        return torch.bfloat16, f"auto: this CPU computes bfloat16 natively ({', '.join(native)})"
+    return torch.float32, "auto: float32, this CPU has no native bfloat16 (avx512_bf16 / amx_bf16)"
+
+
+def choose_token_budget(setting: int | None, device: torch.device) -> tuple[int, str]:
+    """Unset: 2048 on CUDA; 512 on CPU, where prefill is compute-bound: a burst's prompts then
+    finish over several steps, so the first ones start streaming sooner at the same
+    throughput, and a long prompt never holds running requests' next tokens for a whole
+    2048-token step."""
+    if setting is not None:
+        return setting, "set by --max-num-batched-tokens"
+    if device.type == "cuda":
+        return 2048, "CUDA default"
+    return 512, "CPU default: prefill is compute-bound, smaller steps start streams sooner"
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendPlan:
+    device: torch.device
+    dtype: torch.dtype
+    kernels: object | None      # tessera's compiled CPU kernels; None: torch ops everywhere
+    ops: TorchOps               # norms, activations, argmax; the quantized matmul and embedding
+    dense_matmul: str           # bf16 on CPU: the ops' prepacked matmul (brgemm, onednn); else torch
+    keep_quantized: bool        # a GGUF file's quantized blocks are kept beside the dense weights
+    quantized_max_rows: int     # layers with quantized blocks run them up to this many rows (0: never)
+    token_budget: int           # tokens one step may compute
+    why: types.MappingProxyType  # each decision's reason, by name
+
+    @property
+    def attention_name(self) -> str:
+        return CpuKernelAttention.name if self.kernels is not None else TorchAttention.name
+
+    def attention(self, block_size: int, num_kv_heads: int, sliding_window: int | None) -> TorchAttention:
+        if self.kernels is None:
+            return TorchAttention(block_size, num_kv_heads, self.dtype, self.device, sliding_window)
+        return CpuKernelAttention(self.kernels, block_size, num_kv_heads, self.dtype, self.device, sliding_window)
+
+    def describe(self) -> dict:
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "attention": self.attention_name, "ops": self.ops.name, "dense_matmul": self.dense_matmul,
+                "keep_quantized": self.keep_quantized, "quantized_max_rows": self.quantized_max_rows,
+                "token_budget": self.token_budget,
+                "why": dict(self.why)}
+
+
+def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[BackendPlan, LoadedModel]:
+    """Decide, bind the compute threads, load the weights as decided (unless `loaded`, a model
+    already loaded in this plan's device and dtype, is given), pack them, time the quantized
+    crossover on them; returns the plan, logged, and the model."""
+    why: dict[str, str] = {}
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device, why["device"] = choose_device(config.device)
+    dtype, why["dtype"] = choose_dtype(config.dtype, device)
+
+    kernels = None
+    if device.type != "cpu":
+        why["kernels"] = f"torch ops on {device.type}"
+    elif not config.cpu_kernels:
+        why["kernels"] = "torch ops: --cpu-kernels is off"
+    else:
+        kernels = cpu_kernels.load(config.cpu_kernels_prebuilt)
+        why["kernels"] = "fused CPU kernels" if kernels is not None else "torch ops: the fused CPU kernels did not load"
+    ops = CpuKernelOps(kernels) if kernels is not None else TorchOps()
+    if device.type == "cpu" and config.cpu_threads_bind != "off":
+        cpu_threads.bind(config.cpu_threads_bind, kernels)
+
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        dense, why["dense_matmul"] = ops.dense_packing.name, "bf16 on CPU: weights packed once for the ops' matmul"
+    else:
+        dense, why["dense_matmul"] = "torch", "F.linear"
+
+    if config.gguf_dequantize:
+        keep, why["keep_quantized"] = False, "--gguf-dequantize"
+    elif ops.qlinear is None:
+        keep, why["keep_quantized"] = False, "no quantized matmul in the ops backend (" + why["kernels"] + ")"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        keep, why["keep_quantized"] = False, f"the quantized matmul computes in float32 or bfloat16, not {dtype}"
+    else:
+        keep, why["keep_quantized"] = True, "GGUF quantized blocks kept for the CPU kernels' quantized matmul"
+
+    if loaded is None:
+        loaded = load_model(config.model, config.max_model_len, dtype, device, keep_quantized=keep)
+    loaded.model.pack_dense(ops.dense_packing)
+
+    if not keep:
+        rows, why["quantized_max_rows"] = 0, "no quantized blocks kept"
+    elif config.quantized_max_rows is not None:
+        rows, why["quantized_max_rows"] = config.quantized_max_rows, "set by --quantized-max-rows"
+    elif not loaded.model.has_quantized():
+        rows, why["quantized_max_rows"] = 0, "the checkpoint has no quantized weights the kernels take"
+    else:
+        rows, why["quantized_max_rows"] = crossover_rows(loaded.model, ops, dtype)
+
+    budget, why["token_budget"] = choose_token_budget(config.max_num_batched_tokens, device)
+    plan = BackendPlan(device, dtype, kernels, ops, dense, keep, rows, budget, types.MappingProxyType(why))
+    log.info("backend plan", extra=plan.describe())
+    return plan, loaded

@@ -1,0 +1,153 @@
+"""Up to how many rows the quantized matmul beats the dense one, timed on the loaded model.
+
+At one row a matmul is a pass over its weights, and the quantized one reads a fraction of the
+bytes; as rows grow the dense matmul's better arithmetic wins. Where they cross depends on the
+CPU (its memory bandwidth, AVX-512 / AMX), the thread count, the dtype and the weights' types
+and shapes, so it is measured, over every layer that has quantized blocks (the real weights,
+in order, so that caches behave as in a step), at a few batch sizes found by bisection. The
+answer is cached per CPU model, threads, dtype, packing and weight shapes, so an engine pays
+for the timing once per machine and model (the cache: $TESSERA_CACHE_DIR, else
+$XDG_CACHE_HOME/tessera or ~/.cache/tessera).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import platform
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+REPEATS = 5
+CACHE_FILE = "quantized_max_rows.json"
+# other processes' CPU use during the timing, in cores, past which the answer is used for this
+# start but not cached: timings on a busy machine say little about an idle one
+QUIET_CORES = 0.3
+_measured: dict[str, int] = {}  # this process's answers, busy or not (engines built over one model)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_path() -> pathlib.Path:
+    base = os.environ.get("TESSERA_CACHE_DIR")
+    if base:
+        return pathlib.Path(base) / CACHE_FILE
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(xdg) / "tessera" / CACHE_FILE
+
+
+def cache_key(pairs, dtype: torch.dtype, packing: str) -> str:
+    shapes = sorted(p.signature for p in pairs)
+    digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:16]
+    return f"{cpu_model()}|threads={torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|{packing}|{digest}"
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table = _read_cache()
+        table[key] = entry
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: measured again next start
+        log.warning("quantized crossover not cached", extra={"path": str(path), "error": str(exc)})
+
+
+def _system_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy (all CPUs), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system [idle iowait] irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _pass_time(fns, inputs) -> float:
+    t0 = time.perf_counter()
+    for fn, x in zip(fns, inputs):
+        fn(x)
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def _quantized_wins(pairs, rows: int, dtype: torch.dtype, timings: dict) -> bool:
+    gen = torch.Generator().manual_seed(rows)
+    by_k = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {p.in_features for p in pairs}}
+    inputs = [by_k[p.in_features] for p in pairs]
+    quantized, dense = [p.quantized for p in pairs], [p.dense for p in pairs]
+    _pass_time(quantized, inputs), _pass_time(dense, inputs)  # first use of this shape: kernel setup
+    q = d = float("inf")
+    for _ in range(REPEATS):  # alternating, best of each: noise only ever adds time
+        q = min(q, _pass_time(quantized, inputs))
+        d = min(d, _pass_time(dense, inputs))
+    timings[rows] = (round(q * 1000, 3), round(d * 1000, 3))
+    return q < d
+
+
+def measure(pairs, dtype: torch.dtype) -> tuple[int, dict]:
+    """The largest candidate row count at which the quantized pass is faster (0: none), by
+    bisection over CANDIDATE_ROWS (the dense matmul's advantage grows with rows); and the
+    timings taken, {rows: (quantized ms, dense ms)}."""
+    timings: dict[int, tuple[float, float]] = {}
+    if not _quantized_wins(pairs, CANDIDATE_ROWS[0], dtype, timings):
+        return 0, timings
+    lo, hi = 0, len(CANDIDATE_ROWS)  # wins at lo; hi: first known loss (or past the end)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _quantized_wins(pairs, CANDIDATE_ROWS[mid], dtype, timings):
+            lo = mid
+        else:
+            hi = mid
+    return CANDIDATE_ROWS[lo], timings
+
+
+def crossover_rows(model, ops, dtype: torch.dtype) -> tuple[int, str]:
+    """quantized_max_rows for this model on this machine, and why (measured now, or cached)."""
+    pairs = model.matmul_pairs(ops.qlinear)
+    key = cache_key(pairs, dtype, ops.dense_packing.name)
+    if key in _measured:
+        return _measured[key], "timed by this process for an earlier engine"
+    cached = _read_cache().get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("rows"), int):
+        return cached["rows"], f"timed on this CPU before ({cache_path()})"
+    t0, busy0, own0 = time.perf_counter(), _system_busy_s(), time.process_time()
+    rows, timings = measure(pairs, dtype)
+    wall = time.perf_counter() - t0
+    busy1, own1 = _system_busy_s(), time.process_time()
+    foreign = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    quiet = foreign is not None and foreign <= QUIET_CORES
+    _measured[key] = rows
+    log.info("quantized crossover timed", extra={
+        "rows": rows, "took_ms": round(wall * 1000, 1), "ms_quantized_dense_by_rows": timings,
+        "foreign_cores": None if foreign is None else round(foreign, 2), "cached": quiet})
+    if quiet:
+        _write_cache(key, {"rows": rows, "timings_ms": {str(r): t for r, t in timings.items()},
+                           "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        return rows, f"timed at start: quantized faster up to {rows} rows (cached for later starts)"
+    return rows, "timed at start on a busy machine: quantized faster up to {rows} rows (not cached)".format(rows=rows)

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def return_freed_memory() -> None:
     """Hand the heap that loading freed (dequantized tensors, packing's plain copies) back to the
-    OS: glibc keeps freed small and medium chunks for reuse, ~100-300 MiB here after a load."""
+    OS: glibc keeps freed small and medium chunks for reuse, a few hundred MiB after a load."""
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim

@@ -36,8 +36,8 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     zero pages as blocks are first written, so the pool adds to RSS as it is used, not at start
     (torch.zeros writes every byte: 1 GiB resident before the first request). Not numpy's
     zeros: numpy asks for transparent huge pages on large arrays, and their first touch
-    (the kernel compacting memory for them) cost ~2.5 ms a MiB here against ~0.2 ms with
-    plain pages, ~0.5 s of a 64-request burst's prefill."""
+    (the kernel compacting memory for them) cost an order of magnitude more than plain
+    pages, a noticeable share of a burst's prefill."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
@@ -148,9 +148,8 @@ class ModelRunner:
         `num_tokens` tokens, then `num_decodes` single-token decodes, with their logits.
 
         A step's first use of a batch shape pays for creating its matmul kernels (oneDNN) and
-        for growing the allocator's arenas; measured on the default model, the first 512-token
-        step took 440 ms against 170 ms after, and that fell on the first burst's time to first
-        token. Only called while no request holds a block: the K/V written here land in blocks
+        for growing the allocator's arenas; the first full step took over twice as long as
+        later ones, which fell on the first burst's time to first token. Only called while no request holds a block: the K/V written here land in blocks
         that a request writes before it reads them.
         """
         bs = self.block_size

@@ -161,7 +161,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         """Load the model on a new thread that then runs the core loop; return the loop once loaded.
 
         One thread does both because torch's CPU thread team (OpenMP) belongs to the first
-        thread that runs an op: measured here, a loop on a second thread ran ~40% slower.
+        thread that runs an op, and a loop on a second thread measured much slower.
         """
         loaded: asyncio.Future = self._aio_loop.create_future()
 

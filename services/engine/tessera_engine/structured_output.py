@@ -83,8 +83,8 @@ class Constraint:
 
 class StructuredOutputManager:
     """Compiles constraints on one worker thread against the model's tokenizer, cached by
-    constraint; one per engine. The tokenizer wrapper (~4 s on 2 idle cores, 20 s on busy
-    ones, +54 MiB kept; the HF tokenizer it is made from is dropped) is built on the worker
+    constraint; one per engine. The tokenizer wrapper (seconds of CPU, more on busy cores,
+    and tens of MiB kept; the HF tokenizer it is made from is dropped) is built on the worker
     too, for the first constraint (or by `prepare()`): an engine that never sees one never
     pays its CPU or memory. Built at every engine's warm-up instead, a test run of dozens
     of engines on 2 cores was slowed enough to time out a drain (kept lazy for now)."""

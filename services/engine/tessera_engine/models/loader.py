@@ -26,7 +26,7 @@ SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
 
 def open_gguf(src: ModelSource):
     """The GGUF file's reader, for load_hf_config and the weight readers to share: parsing the
-    default model's metadata (its 49k-token vocabulary) takes ~1.6 s a time here."""
+    default model's metadata (its 49k-token vocabulary) takes seconds each time."""
     from gguf import GGUFReader
 
     return GGUFReader(str(src.path))

@@ -7,10 +7,9 @@ packed ahead of time skips that (inductor's weight prepacking does the same). Tw
   split evenly over the OpenMP team up front.
 - BrgemmPacking: tessera's CPU kernels (pack_bf16_weight / linear_bf16): the same oneDNN
   micro-kernel called per tile, tiles taken by whichever thread is free. On cores shared
-  with the rest of the stack one preempted thread no longer holds up a whole layer. Measured
-  here (2 cores, AVX512-BF16), all of the default model's matmuls at 64 rows: 22.4 against
-  25.2 ms alone, 26 against 31.5 ms beside a process busy 20% of the time; level from 128
-  to 512 rows.
+  with the rest of the stack one preempted thread no longer holds up a whole layer. It
+  measured ahead of oneDNN's at decode batch sizes, alone and beside a busy process, and
+  level with it on large batches (benchmarks/kernel_steps.py times the matmuls).
 
 The ops backend offers its packing (TorchOps: oneDNN's; CpuKernelOps: the brgemm one where
 the kernels pass a known-answer check); the model hands it to every layer once.

@@ -29,6 +29,7 @@ class RequestResult:
     latency: float = 0.0          # end to end, seconds
     start: float = 0.0            # perf_counter at send
     chunks: int = 0               # streamed messages that carried tokens
+    last_token: float = 0.0       # perf_counter at the last of them
     text: str = ""
 
     @property
@@ -54,7 +55,7 @@ class _Timer:
             r.ttft = now - r.start
         else:
             r.itl.append(now - self.last)
-        self.last = now
+        self.last = r.last_token = now
         r.chunks += 1
         r.text += text
 
@@ -66,6 +67,15 @@ class _Timer:
         if r.chunks == 0:  # an answer with no text (e.g. EOS at once): its first token is its end
             r.ttft = r.latency
         r.success = True
+
+
+def http_client(max_connections: int):
+    """The HTTP client of the OpenAI backends: up to max_connections requests at once, no read
+    timeout a benchmark would hit (httpx2: the client openai itself uses)."""
+    import httpx2
+
+    limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=min(max_connections, 100))
+    return httpx2.AsyncClient(timeout=httpx2.Timeout(6 * 3600.0, connect=30.0), limits=limits)
 
 
 class OpenAIBackend:

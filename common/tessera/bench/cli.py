@@ -14,7 +14,7 @@ import math
 import sys
 
 from tessera.bench import datasets, load, metrics, plots, report
-from tessera.bench.backends import BACKENDS, GrpcBackend, OpenAIBackend, RequestResult
+from tessera.bench.backends import BACKENDS, GrpcBackend, OpenAIBackend, RequestResult, http_client
 from tessera.bench.vocab import GrpcVocabulary, HttpVocabulary, WordVocabulary
 from tessera.common.flags import add_flag
 
@@ -152,12 +152,10 @@ async def build_dataset(args: argparse.Namespace, vocab) -> list[datasets.Sample
 
 
 async def bench(args: argparse.Namespace) -> int:
-    import httpx2  # (the HTTP client openai itself uses)
     from tqdm import tqdm
 
     most = max(args.sweep_max_concurrency or [args.max_concurrency or 1000])
-    limits = httpx2.Limits(max_connections=most, max_keepalive_connections=min(most, 100))
-    async with httpx2.AsyncClient(timeout=httpx2.Timeout(6 * 3600.0, connect=30.0), limits=limits) as client:
+    async with http_client(most) as client:
         if args.model is None and args.backend != "grpc":
             args.model = await served_model(client, args.base_url)
         grpc_backend = GrpcBackend(args.addr, args.ignore_eos) if args.backend == "grpc" else None

@@ -1,4 +1,5 @@
-"""The run's figures from its per-request records: throughputs, latency statistics (ms), goodput."""
+"""The run's figures from its per-request records: throughputs, latency statistics (ms), goodput;
+and the statistics they use (percentile, median, summarize), for other measurements too."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -26,6 +27,28 @@ def parse_goodput(items: Iterable[str]) -> dict[str, float]:
         if slos[name] < 0:
             raise ValueError(f"{item!r}: a negative SLO")
     return slos
+
+
+def percentile(values: Iterable[float | None], p: float) -> float:
+    """The p-th percentile (0..100, linear interpolation between the closest ranks, as numpy's
+    default) of the values that are not None; NaN when there are none."""
+    vals = np.array([v for v in values if v is not None], dtype=float)
+    return float(np.percentile(vals, p)) if vals.size else float("nan")
+
+
+def median(values: Iterable[float | None]) -> float:
+    """The median of the values that are not None (the mean of the middle two of an even count);
+    NaN when there are none."""
+    vals = np.array([v for v in values if v is not None], dtype=float)
+    return float(np.median(vals)) if vals.size else float("nan")
+
+
+def summarize(values: Iterable[float | None]) -> dict:
+    """{"median", "min", "max", "values"} of the values that are not None (None figures when none)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "values": []}
+    return {"median": median(vals), "min": min(vals), "max": max(vals), "values": vals}
 
 
 def _values(results: list[RequestResult], metric: str) -> list[float]:
@@ -75,7 +98,7 @@ def compute(results: list[RequestResult], duration_s: float, percentiles: list[f
         out[f"median_{metric}_ms"] = 0.0 if empty else float(np.median(values_ms))
         out[f"std_{metric}_ms"] = 0.0 if empty else float(values_ms.std())
         for p in percentiles:
-            out[f"p{p:g}_{metric}_ms"] = 0.0 if empty else float(np.percentile(values_ms, p))
+            out[f"p{p:g}_{metric}_ms"] = 0.0 if empty else percentile(values_ms, p)
     return out
 
 

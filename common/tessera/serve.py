@@ -16,14 +16,12 @@ lines are JSON on stdout.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import os
 import pathlib
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,12 +29,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from tessera import launch
 from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S
+from tessera.launch import SERVICE_MODULES
 
-SERVICE_MODULES = {"tokenizer": "tessera_tokenizer", "engine": "tessera_engine", "frontend": "tessera_frontend"}
 DEFAULT_PORTS = {"tokenizer": 50052, "engine": 50053, "frontend": 50051}
 DEFAULT_METRICS_PORTS = {"tokenizer": 9302, "engine": 9303, "frontend": 9301}
 # Log lines (service, msg) that mark a step of loading, in their usual order: the progress bar.
@@ -142,31 +138,11 @@ def route_flags(parser: argparse.ArgumentParser, extra: list[str]) -> dict[str, 
 
 
 @dataclass
-class Child:
-    name: str
-    port: int
-    args: list[str]
-    env: dict[str, str]
-    process: subprocess.Popen | None = None
+class Child(launch.Service):
+    """A service as serve runs it (tessera.launch: own session, SIGTERM when serve dies, stderr
+    piped): with the thread that reads its log lines and their last ones."""
     reader: threading.Thread | None = None
     tail: list[str] = field(default_factory=list)
-
-
-def _prctl():
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux
-        return None
-
-
-_PRCTL = _prctl()  # looked up here: a forked child must not load libraries (other threads may hold locks)
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when serve itself dies (even by SIGKILL), so nothing is orphaned."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 class Progress:
@@ -236,15 +212,6 @@ class Progress:
                 self.bar = None
 
 
-def frontend_serving(addr: str) -> bool:
-    try:
-        with grpc.insecure_channel(addr) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
 def _flag_value(args: list[str], flag: str) -> str | None:
     """The value given to `flag` in a service's routed args, if any."""
     for i, token in enumerate(args):
@@ -265,7 +232,6 @@ def plan(args: argparse.Namespace, routed: dict[str, list[str]]) -> list[Child]:
         extra = list(routed[name])
         if args.model and name in ("tokenizer", "engine"):
             extra = ["--model", args.model, *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         if name == "frontend":
             for flag, backend in (("--tokenizer-addr", children[0]), ("--engine-addrs", children[1])):
                 if _flag_value(extra, flag) is None:
@@ -274,8 +240,11 @@ def plan(args: argparse.Namespace, routed: dict[str, list[str]]) -> list[Child]:
         port = metrics[name]
         if port is None and (args.metrics_port == 0 or os.environ.get("TESSERA_METRICS_PORT") == "0"):
             port = 0  # off for one: off for all
-        env["TESSERA_METRICS_PORT"] = str(DEFAULT_METRICS_PORTS[name] if port is None else port)
-        children.append(Child(name, ports[name], ["--port", str(ports[name]), *extra], env))
+        # the children inherit serve's environment (TESSERA_BIND_HOST included): nothing is bound for them
+        child = Child(name, SERVICE_MODULES[name], ports[name], extra, None, bind_host=False,
+                      metrics_port=DEFAULT_METRICS_PORTS[name] if port is None else port)
+        child.host = _connect_host(child)
+        children.append(child)
     return children
 
 
@@ -285,7 +254,7 @@ class Stopping(Exception):
 
 def _connect_host(child: Child) -> str:
     """Where serve reaches a child: its bind address, loopback for a wildcard one."""
-    host = _flag_value(child.args, "--host") or child.env.get("TESSERA_BIND_HOST") or "0.0.0.0"
+    host = _flag_value(child.args, "--host") or child.environment().get("TESSERA_BIND_HOST") or "0.0.0.0"
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
@@ -316,17 +285,14 @@ def run(args: argparse.Namespace, routed: dict[str, list[str]],
             progress.say(f"starting {child.name}", port=child.port,
                          command=f"python -m {SERVICE_MODULES[child.name]}")
             # own session: a terminal's Ctrl-C reaches serve only, which stops them in order
-            child.process = subprocess.Popen(
-                [sys.executable, "-m", SERVICE_MODULES[child.name], *child.args], env=child.env,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1,
-                start_new_session=True, preexec_fn=_die_with_parent)
+            child.start()
             child.reader = threading.Thread(target=_pump, args=(child, progress), daemon=True,
                                             name=f"log-{child.name}")
             child.reader.start()
         deadline = time.monotonic() + args.startup_timeout_s
-        host = _connect_host(frontend)
-        addr = f"{host}:{frontend.port}"
-        while not frontend_serving(addr):
+        host = frontend.host
+        addr = frontend.addr
+        while not launch.is_serving(addr):
             dead = next((c for c in children if c.process.poll() is not None), None)
             if dead is not None:
                 progress.close()
@@ -385,15 +351,7 @@ def stop_all(children: list[Child], args: argparse.Namespace) -> list[str]:
     frontend, backends = children[-1], children[:-1]
     failed: list[str] = []
     for group in ([frontend], backends):
-        running = [c for c in group if c.process is not None and c.process.poll() is None]
-        for child in running:
-            child.process.send_signal(signal.SIGTERM)
-        for child in running:
-            try:
-                child.process.wait(timeout=drain + 15)
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait(timeout=10)
+        launch.terminate([c.process for c in group if c.running()], timeout=drain + 15)
         for child in group:
             if child.process is not None and child.process.returncode not in (0, None):
                 failed.append(child.name)

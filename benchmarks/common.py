@@ -1,6 +1,7 @@
-"""Shared helpers for tessera's benchmarks (not tests): prompts, engine flags, statistics,
-memory and CPU accounting, quiet-machine waits, the environment record, report formatting,
-and a per-phase step-time breakdown of the engine core.
+"""Shared helpers for tessera's benchmarks (not tests): prompts, engine flags, memory and CPU
+accounting, quiet-machine waits, the environment record, report formatting, and a per-phase
+step-time breakdown of the engine core. Statistics (median, percentile, summarize) are
+`tessera bench`'s: tessera.bench.metrics.
 """
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ import os
 import platform
 import random
 import resource
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 # 64 distinct, realistic chat questions of varied length (a few words to a
 # paragraph), so prompts span roughly 35 to 150 tokens after the chat template.
@@ -160,24 +160,11 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-# -- statistics -----------------------------------------------------------------
-def median(values: Iterable[float]) -> float:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else float("nan")
-
-
-def summarize(values: list[float]) -> dict:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return {"median": None, "min": None, "max": None, "values": []}
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}
-
-
 # -- memory and CPU ---------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _this_process():
-    """psutil's handle of this process, made once: building one reads /proc several times
-    (~60 us), which a 50 Hz sampler would pay on every sample."""
+    """psutil's handle of this process, made once: building one reads /proc several times,
+    which a 50 Hz sampler would pay on every sample."""
     import psutil
 
     return psutil.Process()

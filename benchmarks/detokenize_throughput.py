@@ -64,7 +64,6 @@ import os
 import pathlib
 import pstats
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -79,9 +78,10 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from common import environment, fmt, format_table, log, summarize  # noqa: E402
-from tests.stack import Service, free_port  # noqa: E402
+from common import environment, fmt, format_table, log  # noqa: E402
+from tessera.bench.metrics import median, summarize  # noqa: E402
 from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
+from tessera.launch import Service, free_port  # noqa: E402
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc  # noqa: E402
 from tessera_tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
 from tessera_tokenizer.tokenizer import Tokenizer  # noqa: E402
@@ -288,10 +288,10 @@ class Workload:
             partial += sum(1 for t in seq if "\ufffd" in tokenizer.decode([t], self.skip))
         return {
             "requests": self.n, "tokens_per_request": self.steps, "total_tokens": self.total_tokens,
-            "text_chars_median": statistics.median(chars), "text_chars_total": sum(chars),
+            "text_chars_median": median(chars), "text_chars_total": sum(chars),
             "non_ascii_char_share": non_ascii / max(1, sum(chars)),
             "tokens_not_whole_chars_share": partial / self.total_tokens,
-            "prompt_tokens_median": statistics.median(len(p) for p in self.prompts) if self.prompts else 0,
+            "prompt_tokens_median": median(len(p) for p in self.prompts) if self.prompts else 0,
             "stop_strings": self.stops, "skip_special_tokens": self.skip,
             "passages": len(PASSAGES), "last_token_is_eos": self.sequences[0][-1] in tokenizer.info.eos_token_ids,
         }
@@ -516,7 +516,7 @@ async def measure(args: argparse.Namespace, tokenizer: Tokenizer, w: Workload, s
 def summarize_sides(runs: dict[str, list[dict]], total_tokens: int) -> dict:
     """Per side: medians (tokens/s, wall, CPU), the ratio to the in-process side, tokens per CPU second."""
     sides_out = {}
-    base = statistics.median(r["tokens_per_s"] for r in runs["inprocess"])
+    base = median(r["tokens_per_s"] for r in runs["inprocess"])
     for side, recs in runs.items():
         tps = summarize([r["tokens_per_s"] for r in recs])
         entry = {"tokens_per_s": tps, "ratio_vs_inprocess": tps["median"] / base,

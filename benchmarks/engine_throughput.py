@@ -28,9 +28,9 @@ Metrics (per measurement; medians over --repeats are quoted):
 The last line printed is `ratio_vs_hf_static=<x>`: batch64 engine tokens/s over HF's.
 Results go to results/engine_throughput.json (or --out).
 
-  python benchmarks/engine_throughput.py                       # everything, ~12-15 min on 2 cores
+  python benchmarks/engine_throughput.py                       # everything
   python benchmarks/engine_throughput.py --scenarios batch64,single --repeats 5
-  python benchmarks/engine_throughput.py --quick                # smoke run, ~3 min
+  python benchmarks/engine_throughput.py --quick                # smoke run
   python benchmarks/engine_throughput.py --profile              # + engine step-time breakdown
 """
 from __future__ import annotations
@@ -51,9 +51,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (StepBreakdown, add_engine_flags, chat_prompts, draw_lengths, engine_config,  # noqa: E402
-                    environment, fmt, format_table, log, maxrss_mib, measure_usage, median, summarize,
-                    wait_for_quiet)
+                    environment, fmt, format_table, log, maxrss_mib, measure_usage, wait_for_quiet)
 
+from tessera.bench.metrics import median, summarize  # noqa: E402
 from tessera.common.model_source import resolve_model  # noqa: E402
 from tessera_engine.core import EngineCore  # noqa: E402
 from tessera_engine.models.loader import load_model  # noqa: E402
@@ -442,7 +442,7 @@ def scenario_quantized(bench: Bench, prompts: list[list[int]], reps: int) -> dic
                              "greedy, ignore_eos; quantized = default, dense = --gguf-dequantize"}
     llama_py = None
     if a.llama_cpp:
-        import llama_cpp_peer
+        from peers import llama_cpp_python as llama_cpp_peer
 
         llama_py = llama_cpp_peer.ensure_llama_cpp(llama_cpp_peer.default_venv())
     for name, ps, mt in (("single", [prompts[2]], [a.single_tokens]),

@@ -26,7 +26,9 @@ import torch
 from tessera_engine import cpu_kernels
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import environment, log, median, wait_for_quiet  # noqa: E402
+from common import environment, log, wait_for_quiet  # noqa: E402
+
+from tessera.bench.metrics import median  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152

@@ -38,8 +38,8 @@ latency (tokenize, the gRPC hops, detokenize) without the batch-64 step quantiza
 that dominates the TTFT of the concurrent workload on CPU. The sides take turns prompt
 by prompt, and the whole set runs once untimed first (under another system message), so
 that neither side pays for its first single-request prompt shapes (torch's kernel
-set-up) inside the timing; run side after side without that, whichever went first lost
-20-30 ms.
+set-up) inside the timing; run side after side without that, whichever went first paid
+for it in its TTFT.
 
 CPU seconds per run of each process (stack and engine sides; the client is this process,
 the services are read from /proc): where the CPU the engine shares its cores with goes.
@@ -53,14 +53,14 @@ Placement (--placement):
   shared  (default: as `make run` and compose run the stack on one machine) every process
           may run on every core: the engine's torch threads share the
           machine's cores with the client, the frontend and the tokenizer. On a small
-          machine their CPU (about 1.8 s per run on 2 cores) preempts one of the engine's
+          machine their CPU preempts one of the engine's
           OpenMP threads and the other one spins at the next barrier, so this measures
           co-location on too few cores as much as the split.
 
 The last line printed is `stack_vs_inprocess=<stack tokens/s / in-process tokens/s>`.
 Results go to results/stack_overhead.json (or --out).
 
-  python benchmarks/stack_overhead.py                  # 3 repeats, ~5-8 min on 2 CPU cores
+  python benchmarks/stack_overhead.py                  # 3 repeats
   python benchmarks/stack_overhead.py --repeats 1 --output-tokens 32   # smoke run
 """
 from __future__ import annotations
@@ -72,7 +72,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -81,14 +80,13 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_engine_flags, engine_config, environment, log, measure_usage, median,  # noqa: E402
-                    questions, wait_for_quiet)
+from common import (add_engine_flags, engine_config, environment, log, measure_usage, questions,  # noqa: E402
+                    wait_for_quiet)
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tests.stack
-from tests.stack import free_port  # noqa: E402
+from tessera import launch  # noqa: E402
+from tessera.bench.metrics import median  # noqa: E402
 from tessera.common import aio  # noqa: E402
 from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
 from tessera.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
@@ -99,7 +97,7 @@ from tessera_engine.request import EngineCoreRequest  # noqa: E402
 from tessera_engine.sampling_params import SamplingParams  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
+HOST = launch.HOST
 TARGETS = {"stack_vs_inprocess": 0.95, "ttft_added_ms": 10.0}
 
 
@@ -146,10 +144,10 @@ class Placement:
                 raise SystemExit("--placement split needs at least 2 cores; use --placement shared")
             self.engine, self.others = cpus[:-1], cpus[-1:]
 
-    def command(self, name: str, command: list[str]) -> list[str]:
-        """The command, under taskset when this process is pinned."""
+    def prefix(self, name: str) -> list[str]:
+        """What a service's command runs under: taskset when this process is pinned, else nothing."""
         cpus = self.engine if name == "engine" else self.others
-        return command if cpus is None else ["taskset", "-c", ",".join(map(str, cpus)), *command]
+        return [] if cpus is None else ["taskset", "-c", ",".join(map(str, cpus))]
 
     def pin_self(self, role: str) -> None:
         """Move every thread of this process onto the engine's cores or the others' (role: 'engine' or 'client')."""
@@ -167,12 +165,13 @@ class Placement:
 
 
 class StackProcesses:
-    """The three services as child processes on free loopback ports (logs in a temp directory)."""
+    """The three services (or `only` those named) as child processes through tessera.launch, on free
+    loopback ports, without metrics servers or HTTP API, with the engine flags of both sides
+    (logs in a temp directory)."""
 
-    def __init__(self, args: argparse.Namespace, placement: Placement | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, placement: Placement | None = None,
+                 only: tuple[str, ...] | None = None) -> None:
         self.placement = placement or Placement("shared")  # unpinned unless told
-        self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="tessera-bench-"))
-        self.ports = {name: free_port() for name in ("tokenizer", "engine", "frontend")}
         engine_flags = ["--dtype", args.dtype, "--device", args.device, "--kv-cache-gib", str(args.kv_cache_gib),
                         "--max-num-seqs", str(args.max_num_seqs),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -181,64 +180,33 @@ class StackProcesses:
         if args.threads:
             engine_flags += ["--num-threads", str(args.threads)]
         model = ["--model", args.model] if args.model else []
-        self.commands = {
-            "tokenizer": ["-m", "tessera_tokenizer", *model],
-            "engine": ["-m", "tessera_engine", *model, *engine_flags],
-            "frontend": ["-m", "tessera_frontend", "--http-port", "0", "--stream-interval", str(args.stream_interval),
-                         "--tokenizer-addr", f"{HOST}:{self.ports['tokenizer']}",
-                         "--engine-addrs", f"{HOST}:{self.ports['engine']}"],
-        }
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.event_loop = args.event_loop
+        self.stack = launch.Stack(
+            pathlib.Path(tempfile.mkdtemp(prefix="tessera-bench-")), tokenizer_args=model,
+            engine_args=[*model, *engine_flags], frontend_args=["--stream-interval", str(args.stream_interval)],
+            http=False, prefix={name: self.placement.prefix(name) for name in launch.SERVICE_MODULES},
+            host=HOST, metrics_port=0, env={"TESSERA_EVENT_LOOP": args.event_loop})
+        self.log_dir = self.stack.log_dir
+        self.services = [s for s in self.stack.services if only is None or s.name in only]
 
     def addr(self, name: str) -> str:
-        return f"{HOST}:{self.ports[name]}"
+        return self.stack.addr(name)
 
     def start(self, timeout_s: float) -> None:
-        env = {**os.environ, "TESSERA_BIND_HOST": HOST, "TESSERA_METRICS_PORT": "0", "PYTHONUNBUFFERED": "1",
-               "TESSERA_EVENT_LOOP": self.event_loop}
-        for name, command in self.commands.items():
-            with open(self.log_dir / f"{name}.log", "wb") as out:
-                self.procs[name] = subprocess.Popen(
-                    self.placement.command(name, [sys.executable, *command, "--port", str(self.ports[name])]),
-                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        for name in self.commands:
-            with grpc.insecure_channel(self.addr(name)) as channel:
-                while True:
-                    if self.procs[name].poll() is not None:
-                        raise RuntimeError(f"{name} exited; see {self.log_dir / (name + '.log')}")
-                    try:
-                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                          timeout=2)
-                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{name} not SERVING after {timeout_s:g} s")
-                    time.sleep(0.25)
+        launch.start_all(self.services, timeout_s)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU time (user + system) each service process has used so far (Linux /proc; {} elsewhere)."""
         out = {}
-        for name, proc in self.procs.items():
+        for service in self.services:
             try:
-                fields = pathlib.Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                fields = pathlib.Path(f"/proc/{service.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 return {}
-            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            out[service.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return out
 
     def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        launch.stop_all(self.services)
 
 
 def chats(repeat: int, n: int) -> list[tokenizer_pb2.ChatMessages]:

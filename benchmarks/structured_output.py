@@ -12,7 +12,7 @@ advancing. Each constrained output is checked to be a valid prefix of the schema
 
 The last line printed is `structured_cost=<fraction>`: 1 - mixed tok/s / free tok/s.
 
-  python benchmarks/structured_output.py              # 3 rounds, ~3 min on 2 cores
+  python benchmarks/structured_output.py              # 3 rounds
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ import warnings
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import chat_prompts, log, median, wait_for_quiet  # noqa: E402
+from common import chat_prompts, log, wait_for_quiet  # noqa: E402
 
+from tessera.bench.metrics import median  # noqa: E402
 from tessera.common.constraints import StructuredOutputSpec  # noqa: E402
 from tessera.common.model_source import resolve_model  # noqa: E402
 from tessera_engine.config import EngineConfig  # noqa: E402

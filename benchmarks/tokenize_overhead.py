@@ -34,9 +34,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stack_overhead  # noqa: E402
-from common import environment, log, measure_usage, median, questions  # noqa: E402
+from common import environment, log, measure_usage, questions  # noqa: E402
 from stack_overhead import HOST, StackProcesses  # noqa: E402
 
+from tessera.bench.metrics import median  # noqa: E402
 from tessera.common import aio  # noqa: E402
 from tessera.v1 import tokenizer_pb2  # noqa: E402
 from tessera_frontend.tokenizer_client import TokenizerClient  # noqa: E402
@@ -105,8 +106,7 @@ async def measure(args: argparse.Namespace, tokenizer_service: StackProcesses) -
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    service = StackProcesses(stack_overhead.parse_args(["--event-loop", args.event_loop]))
-    service.commands = {"tokenizer": service.commands["tokenizer"]}  # the tokenizer alone
+    service = StackProcesses(stack_overhead.parse_args(["--event-loop", args.event_loop]), only=("tokenizer",))
     service.start(120)
     try:
         runs = aio.run(measure(args, service), args.event_loop)

@@ -8,7 +8,7 @@ timed greedy generation of the same prompt token ids and length as ours (through
 binding's Python generate loop, as a user of llama-cpp-python runs it), and the same tokens
 fed back one llama_decode at a time without sampling (what llama.cpp's llama-bench times).
 
-    python benchmarks/llama_cpp_peer.py --prompt-ids 1,504,3458 --tokens 256   # one measurement
+    python benchmarks/peers/llama_cpp_python.py --prompt-ids 1,504,3458 --tokens 256   # one measurement
 """
 from __future__ import annotations
 
@@ -20,13 +20,18 @@ import subprocess
 import sys
 import time
 
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent
+if str(BENCHMARKS) not in sys.path:  # run as a script (also the worker, in the llama.cpp venv)
+    sys.path.insert(0, str(BENCHMARKS))
+
+from peers import cache_dir  # noqa: E402
+
 LLAMA_CPP_VERSION = "0.3.36"
 READY_STAMP = ".tessera-ready"
 
 
 def default_venv() -> pathlib.Path:
-    cache = os.environ.get("TESSERA_BENCH_CACHE", str(pathlib.Path.home() / ".cache" / "tessera-bench"))
-    return pathlib.Path(cache).expanduser() / "llama-cpp-venv"
+    return cache_dir() / "llama-cpp-venv"
 
 
 def ensure_llama_cpp(venv: pathlib.Path, skip_install: bool = False) -> pathlib.Path:
@@ -63,8 +68,8 @@ def single_decode(py: pathlib.Path, gguf: str, prompt_ids: list[int], num_tokens
 def _worker(gguf: str, prompt_ids: list[int], num_tokens: int) -> dict:
     from llama_cpp import Llama
 
-    # all cores, for decode too (the binding's default is half the cores for decode; on the
-    # 2-core machine 1 and 2 threads decoded alike, 6.8 and 6.7 ms), the prompt in one batch
+    # all cores, for decode too (the binding's default is half the cores for decode; on a
+    # 2-core machine 1 and 2 threads decoded alike), the prompt in one batch
     cores = os.cpu_count() or 1
     llm = Llama(model_path=gguf, n_ctx=max(2048, len(prompt_ids) + num_tokens), n_batch=512, n_threads=cores,
                 n_threads_batch=cores, verbose=False)

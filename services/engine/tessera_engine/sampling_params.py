@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from tessera.common.constraints import StructuredOutputSpec
+from tessera.common.request_rules import NO_CAPS, SamplingCaps, sampling_problem
 
 
 @dataclasses.dataclass
@@ -36,39 +36,13 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field (ranges that need the model or the
-        engine's caps are EngineCore.check_request's)."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):  # NaN passes every comparison below
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:  # OpenAI's range
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        for token, bias in self.logit_bias.items():
-            if not (math.isfinite(bias) and -100 <= bias <= 100):
-                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
+    def validate(self, caps: SamplingCaps = NO_CAPS) -> None:
+        """Raise ValueError naming the first field out of its range ("top_p: must be in (0, 1]
+        (got 1.5)"); the rules are tessera.common.request_rules', shared with the frontend
+        (what needs the model or the engine's caps is EngineCore.check_request's)."""
+        problem = sampling_problem(self, caps)
+        if problem is not None:
+            raise ValueError(str(problem))
 
     @classmethod
     def from_proto(cls, pb) -> "SamplingParams":

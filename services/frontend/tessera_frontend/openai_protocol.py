@@ -25,10 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tessera.common import constraints
 from tessera.common.constraints import StructuredOutputSpec
+from tessera.common.request_rules import CHAT_ROLES
 from tessera.v1 import common_pb2, tokenizer_pb2
 from tessera_frontend.async_llm import Prompt
 from tessera_frontend.tool_calls import Tool, ToolChoice, ToolSchemaError
-from tessera_frontend.validation import CHAT_ROLES, Limits, ValidationError, validate_sampling_params
+from tessera_frontend.validation import Limits, ValidationError, validate_sampling_params
 
 Int32 = Annotated[int, Field(ge=-(2 ** 31), le=2 ** 31 - 1)]
 NonNegInt32 = Annotated[int, Field(ge=0, le=2 ** 31 - 1)]

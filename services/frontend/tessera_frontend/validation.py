@@ -5,7 +5,8 @@ request is admitted: each SamplingParams field's range, the caps configured on
 the server (`Limits`), the prompt's shape and the chat messages. What needs the
 model (token ids inside the vocabulary, prompt + max_tokens within the model's
 length and the engines' KV cache) is checked by AsyncLLM once the prompt is
-tokenized.
+tokenized. The ranges, caps and chat roles are tessera.common.request_rules', which
+the engine checks too.
 
 A bad field raises `ValidationError(field, message)`; str() of it starts with
 the field name ("top_p: must be in (0, 1] (got 1.5)"), which the gRPC API sends
@@ -14,27 +15,26 @@ as the INVALID_ARGUMENT details and the HTTP API maps to OpenAI's `param`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 from tessera.common.constraints import ConstraintError, StructuredOutputSpec, check_constraint
+from tessera.common.request_rules import CHAT_ROLES, SamplingCaps, sampling_problem
 from tessera.v1 import common_pb2, frontend_pb2, tokenizer_pb2
 
-# The roles the tokenizer's chat template accepts (tessera_tokenizer.tokenizer.CHAT_ROLES).
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class Limits:
-    """Server-side caps on what a request may ask for (the first three come from flags)."""
+class Limits(SamplingCaps):
+    """Server-side caps on what a request may ask for (the first three come from flags): the
+    sampling caps request_rules checks, and the frontend's own."""
     max_n: int = 16
     max_logprobs: int = 20
     max_stop: int = 16
     max_stop_chars: int = 1024          # length of one stop string
     max_stop_token_ids: int = 1024
-    max_prompts: int = 64               # prompts in one OpenAI /v1/completions request
     max_logit_bias: int = 1024          # tokens in one logit_bias map
+    max_prompts: int = 64               # prompts in one OpenAI /v1/completions request
     max_body_bytes: int = 8 << 20       # an HTTP request body (413 past it; 0: no cap)
 
 
@@ -90,45 +90,11 @@ def chat_problem(chat: tokenizer_pb2.ChatMessages) -> ChatProblem | None:
 
 
 def validate_sampling_params(p: common_pb2.SamplingParams, limits: Limits) -> None:
-    """Raise ValidationError naming the first out-of-range field of `p` (absent fields are fine)."""
-    def check(field: str, ok, rule: str) -> None:
-        if p.HasField(field):
-            value = getattr(p, field)
-            if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
-                raise ValidationError(field, f"must be {rule} (got {value})")
-
-    check("temperature", lambda v: v >= 0, ">= 0")
-    check("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-    check("top_k", lambda v: v >= -1, ">= -1 (-1 or 0 disables)")
-    check("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
-    check("repetition_penalty", lambda v: v > 0, "> 0")
-    check("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-    check("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
-    check("max_tokens", lambda v: v >= 1, ">= 1")
-    max_tokens = p.max_tokens if p.HasField("max_tokens") else None
-    check("min_tokens", lambda v: v >= 0 and (max_tokens is None or v <= max_tokens),
-          ">= 0 and <= max_tokens")
-    check("n", lambda v: 1 <= v <= limits.max_n, f"in [1, {limits.max_n}]")
-    check("logprobs", lambda v: 0 <= v <= limits.max_logprobs, f"in [0, {limits.max_logprobs}]")
-    check("prompt_logprobs", lambda v: 0 <= v <= limits.max_logprobs, f"in [0, {limits.max_logprobs}]")
-    if len(p.stop) > limits.max_stop:
-        raise ValidationError("stop", f"at most {limits.max_stop} stop strings (got {len(p.stop)})")
-    if any(not s for s in p.stop):
-        raise ValidationError("stop", "stop strings must not be empty")
-    if any(len(s) > limits.max_stop_chars for s in p.stop):
-        raise ValidationError("stop", f"a stop string has at most {limits.max_stop_chars} characters")
-    if len(p.stop_token_ids) > limits.max_stop_token_ids:
-        raise ValidationError("stop_token_ids", f"at most {limits.max_stop_token_ids} ids "
-                                                f"(got {len(p.stop_token_ids)})")
-    if any(t < 0 for t in p.stop_token_ids):
-        raise ValidationError("stop_token_ids", "token ids must be >= 0")
-    if len(p.logit_bias) > limits.max_logit_bias:
-        raise ValidationError("logit_bias", f"at most {limits.max_logit_bias} tokens (got {len(p.logit_bias)})")
-    for token, bias in p.logit_bias.items():
-        if token < 0:
-            raise ValidationError("logit_bias", f"token ids must be >= 0 (got {token})")
-        if not (math.isfinite(bias) and -100 <= bias <= 100):
-            raise ValidationError("logit_bias", f"the bias of token {token} must be in [-100, 100] (got {bias})")
+    """Raise ValidationError naming the first out-of-range field of `p` (absent fields are fine):
+    the ranges and caps of request_rules.sampling_problem, then the output constraint's compile check."""
+    problem = sampling_problem(p, limits)
+    if problem is not None:
+        raise ValidationError(problem.field, problem.detail)
     if p.HasField("structured_output"):
         spec = StructuredOutputSpec.from_proto(p.structured_output)
         if spec is not None:

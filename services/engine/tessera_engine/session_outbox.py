@@ -9,50 +9,38 @@ logprobs joined, the later status), so the queue holds at most MAX_WAITING messa
 one output per sample in flight. The core loop and the other sessions never wait for a
 slow reader, nothing is lost or reordered, and memory is bounded by the requests' own
 tokens; a reader that keeps up still gets one message per step. (The frontend's
-OutputCollector does the same for each HTTP client.)
+OutputCollector is the same MergingQueue, for each request's client.)
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 
-from tessera.common.request_outputs import RUNNING, merged_request_output
+from tessera.common.request_outputs import RUNNING, MergingQueue, merged_request_output
 from tessera.v1 import engine_pb2
 
 
-class SessionOutbox:
+class SessionOutbox(MergingQueue[object]):
+    """A Session's step messages and control items; a MergingQueue whose steps count and fold."""
+
     MAX_WAITING = 64
 
-    def __init__(self) -> None:
-        self._items: collections.deque = collections.deque()
-        self._steps = 0  # EngineStepOutputs among _items
-        self._ready = asyncio.Event()
+    def counts(self, item: object) -> bool:
+        return isinstance(item, engine_pb2.EngineStepOutputs)
+
+    def merge(self, waiting: collections.deque, item: object) -> bool:
+        """Fold the step into the newest waiting message, when that is a step too."""
+        if not isinstance(waiting[-1], engine_pb2.EngineStepOutputs):
+            return False
+        _fold(waiting[-1], item)
+        return True
 
     def put_step(self, step: engine_pb2.EngineStepOutputs) -> None:
         """One step's outputs for this session (from the event loop's thread)."""
-        if self._steps >= self.MAX_WAITING and isinstance(self._items[-1], engine_pb2.EngineStepOutputs):
-            _fold(self._items[-1], step)
-            return
-        self._items.append(step)
-        self._steps += 1
-        self._ready.set()
+        self.put_nowait(step)
 
     def put_control(self, item: object) -> None:
         """A control item (a sentinel of the server's): delivered after everything before it."""
-        self._items.append(item)
-        self._ready.set()
-
-    async def get(self) -> object:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, engine_pb2.EngineStepOutputs):
-            self._steps -= 1
-        return item
-
-    def qsize(self) -> int:
-        return len(self._items)
+        self.put_nowait(item)
 
     def waiting_outputs(self) -> int:
         """RequestOutputs waiting in step messages (what the bound is about)."""

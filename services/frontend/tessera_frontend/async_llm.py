@@ -2,7 +2,7 @@
 
 `generate(request_id, prompt, params)` tokenizes the prompt (chat messages through
 the model's chat template), builds the EngineRequest, submits it to a replica and
-yields a `GenerationOutput` per sample per engine step until every sample has
+yields a `SampleOutput` per sample per engine step until every sample has
 finished. With a stream interval N > 1 (vLLM's and SGLang's `--stream-interval`) a
 sample's first output goes out at once, then its outputs are held and merged until
 they hold N tokens or the sample finishes: N times fewer messages to the client,
@@ -25,9 +25,10 @@ its delivery loop (vLLM's output handler); every processor call returns an
 `OutputProcessorOutput`, and AsyncLLM aborts what it names in the engine.
 
 Besides the field ranges the API layer checks (`validation`), generate() checks
-what needs the model: token ids inside the vocabulary, min_tokens <= max_tokens
-once defaults apply, and prompt + max_tokens within the model's length and the
-engines' KV cache; each is INVALID_ARGUMENT naming the field.
+what needs the model, by the rules the engine checks too (tessera.common.request_rules):
+token ids inside the vocabulary, the ranges again once defaults apply (min_tokens <=
+max_tokens), and prompt + max_tokens within the model's length and the engines' KV
+cache; each is INVALID_ARGUMENT naming the field.
 
 Inside, the request runs under an engine request id "<request_id>-<random>": unique
 per attempt (two frontends, a client reusing its id, or a retry never collide in the
@@ -36,7 +37,6 @@ engine), and still greppable by the client's id in every service's logs.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -44,10 +44,12 @@ from typing import AsyncIterator, Sequence, Union
 
 import grpc
 
+from tessera.common.request_rules import Problem, request_problem, token_ids_problem
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend.engine_client import EngineCoreClient, NoReplicaError
+from tessera_frontend.grpc_util import StatusError
 from tessera_frontend.output_processor import (Failure, OutputProcessor, OutputProcessorOutput, RequestState,
-                                               merged_outputs)
+                                               SampleOutput)
 from tessera_frontend.tokenizer_client import TokenizeError, TokenizerClient
 
 log = logging.getLogger(__name__)
@@ -60,37 +62,16 @@ MAX_ATTEMPTS = 3  # replicas a request that produced nothing yet is tried on (se
 Prompt = Union[str, tokenizer_pb2.ChatMessages, Sequence[int]]
 
 
-class GenerateError(Exception):
+class GenerateError(StatusError):
     """A request failed; `code` is the gRPC status to report."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+    @classmethod
+    def of(cls, problem: Problem) -> "GenerateError":
+        """The error for a request that breaks a rule of request_rules."""
+        return cls(grpc.StatusCode[problem.code], str(problem))
 
 
-@dataclasses.dataclass
-class GenerationOutput:
-    """New output of one sample (choice) of a request; `usage` is set on the request's last output."""
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[common_pb2.PositionLogprobs]
-    finish_reason: int
-    stop_reason: str | None
-    usage: common_pb2.Usage | None = None
-    stop_token_id: int | None = None  # the stop_token_ids entry that ended the choice
-    prompt_logprobs: list[common_pb2.PositionLogprobs] | None = None  # on the first output, when asked
-    num_prompt_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-
-    def merged_with(self, later: "GenerationOutput") -> "GenerationOutput":
-        """This output followed by `later` of the same choice, as one (the later one's status)."""
-        return merged_outputs(self, later)
+GenerationOutput = SampleOutput  # the name the tests still use (they move to SampleOutput)
 
 
 class AsyncLLM:
@@ -140,7 +121,7 @@ class AsyncLLM:
 
     async def generate(self, request_id: str, prompt: Prompt, params: common_pb2.SamplingParams,
                        priority: int = 0, default_max_tokens: int | None = DEFAULT_MAX_TOKENS
-                       ) -> AsyncIterator[GenerationOutput]:
+                       ) -> AsyncIterator[SampleOutput]:
         """Yield each sample's new output per engine step until all n samples have finished.
 
         `default_max_tokens` applies when params has no max_tokens; None means "up to the
@@ -167,7 +148,7 @@ class AsyncLLM:
                                  want_token_texts=params.HasField("logprobs") or params.HasField("prompt_logprobs"))
             self.processor.add_request(state)
             finished = completion_tokens = cached_tokens = 0
-            held: dict[int, GenerationOutput] = {}  # per choice: output not yet yielded (stream_interval)
+            held: dict[int, SampleOutput] = {}  # per choice: output not yet yielded (stream_interval)
             started: set[int] = set()  # choices whose first output went out
             try:
                 try:
@@ -202,17 +183,16 @@ class AsyncLLM:
                             usage = common_pb2.Usage(prompt_tokens=len(prompt_ids),
                                                      completion_tokens=completion_tokens,
                                                      cached_prompt_tokens=cached_tokens)
-                    gen = GenerationOutput(request_id, out.index, out.text, out.token_ids, out.logprobs,
-                                           out.finish_reason, out.stop_reason, usage, out.stop_token_id,
-                                           out.prompt_logprobs, len(prompt_ids))
+                    # the output is this consumer's now: it goes out under the client's id
+                    out.request_id, out.usage, out.num_prompt_tokens = request_id, usage, len(prompt_ids)
                     if out.index in held:
-                        gen = held.pop(out.index).merged_with(gen)
-                    if (self.stream_interval > 1 and out.index in started and not gen.finished
-                            and len(gen.token_ids) < self.stream_interval):
-                        held[out.index] = gen  # sent with a later output of this choice
+                        out = held.pop(out.index).merged_with(out)
+                    if (self.stream_interval > 1 and out.index in started and not out.finished
+                            and len(out.token_ids) < self.stream_interval):
+                        held[out.index] = out  # sent with a later output of this choice
                         continue
                     started.add(out.index)
-                    yield gen
+                    yield out
             finally:
                 self._abort_in_engine(self.processor.release(engine_id))
                 if not retry:
@@ -253,11 +233,9 @@ class AsyncLLM:
         return list(reply.token_ids)
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
-        vocab = self.tokenizer.model_info.vocab_size
-        bad = [t for t in ids if t < 0 or (vocab > 0 and t >= vocab)]
-        if bad:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
+        problem = token_ids_problem("token_ids", ids, self.tokenizer.model_info.vocab_size)
+        if problem is not None:
+            raise GenerateError.of(problem)
         return ids
 
     def _with_defaults(self, params: common_pb2.SamplingParams, prompt_len: int,
@@ -276,30 +254,14 @@ class AsyncLLM:
         return out
 
     def _check_prompt(self, prompt_ids: list[int], params: common_pb2.SamplingParams) -> None:
-        def invalid(message: str) -> GenerateError:
-            return GenerateError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-        if not prompt_ids:
-            raise invalid("prompt: it has no tokens")
-        if params.min_tokens > params.max_tokens:
-            raise invalid(f"min_tokens: must be <= max_tokens ({params.max_tokens}) "
-                          f"(got {params.min_tokens})")
-        vocab = self.tokenizer.model_info.vocab_size
-        bad = [t for t in params.stop_token_ids if vocab > 0 and t >= vocab]
-        if bad:
-            raise invalid(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in params.logit_bias if vocab > 0 and t >= vocab]
-        if bad:
-            raise invalid(f"logit_bias: token {bad[0]} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        limit = self.max_model_len
-        if limit and total > limit:
-            raise invalid(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                          f"exceeds the model's max length ({limit})")
-        cache = self.engine.kv_cache_tokens
-        if cache and total > cache:
-            raise invalid(f"max_tokens: prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                          f"exceeds the engine's KV cache ({cache} tokens)")
+        """The engine's intake rules, with what the frontend knows of the model and the engines
+        (the prompt's ids were checked already, if they came as ids: the tokenizer's always fit).
+        A prompt past the engines' KV cache is INVALID_ARGUMENT here, naming max_tokens."""
+        problem = request_problem(params, prompt_ids, vocab_size=self.tokenizer.model_info.vocab_size,
+                                  max_model_len=self.max_model_len, kv_cache_tokens=self.engine.kv_cache_tokens,
+                                  kv_full_code="INVALID_ARGUMENT", prompt_field="prompt", check_prompt_ids=False)
+        if problem is not None:
+            raise GenerateError.of(problem)
 
     async def _on_engine_step(self, step: engine_pb2.EngineStepOutputs) -> None:
         """An engine replica's step: send its tokens to the tokenizer (delivery follows in order);

@@ -21,8 +21,9 @@ import grpc
 from tessera.common.grpc_service import request_id_from
 from tessera.v1 import frontend_pb2, frontend_pb2_grpc
 from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
-from tessera_frontend.async_llm import AsyncLLM, GenerateError, GenerationOutput, Prompt
+from tessera_frontend.async_llm import AsyncLLM, GenerateError, Prompt
 from tessera_frontend.metrics import RequestTracker, grpc_tracker, record_rejected
+from tessera_frontend.output_processor import SampleOutput
 from tessera_frontend.validation import Limits, ValidationError, validate_request, validate_request_id
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await context.abort(exc.code, exc.message)
 
 
-def _response(out: GenerationOutput) -> frontend_pb2.GenerateResponse:
+def _response(out: SampleOutput) -> frontend_pb2.GenerateResponse:
     response = frontend_pb2.GenerateResponse(
         request_id=out.request_id, index=out.index, text=out.text, token_ids=out.token_ids,
         logprobs=out.logprobs, finish_reason=out.finish_reason)

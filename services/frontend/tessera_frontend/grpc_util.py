@@ -8,6 +8,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+class StatusError(Exception):
+    """A call failed with a gRPC status: `code` (a grpc.StatusCode) and `message` for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 def status_code(name: str, default: grpc.StatusCode) -> grpc.StatusCode:
     """The gRPC status a RequestError.code names; `default` when it is empty, unknown or OK
     (an error is never reported as OK)."""

@@ -1,6 +1,6 @@
 """OpenAI response bodies and stream chunks for /v1/chat/completions and /v1/completions.
 
-A `Formatter` turns a request's `GenerationOutput`s, each tagged with its choice index
+A `Formatter` turns a request's `SampleOutput`s, each tagged with its choice index
 across the request's prompts (`IndexedOutput`), into OpenAI's JSON: the whole
 response (`response`), the stream's chunks (`stream_start`, `stream_chunks`) and the
 final usage chunk (`usage_chunk`). `ChatFormatter` and `CompletionFormatter` differ in
@@ -17,7 +17,7 @@ import time
 from typing import NamedTuple
 
 from tessera.v1 import common_pb2
-from tessera_frontend.async_llm import GenerationOutput
+from tessera_frontend.output_processor import SampleOutput
 from tessera_frontend.tool_calls import ToolCall, ToolCallParser, ToolChoice, make_parser, parse_reply
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
@@ -29,7 +29,7 @@ FINISH_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASO
 class IndexedOutput(NamedTuple):
     """One output of a request, with its choice index across the request's prompts (prompt * n + sample)."""
     index: int
-    output: GenerationOutput
+    output: SampleOutput
 
 
 class Usage:
@@ -38,7 +38,7 @@ class Usage:
     def __init__(self) -> None:
         self.prompt = self.completion = self.cached = 0
 
-    def add(self, out: GenerationOutput) -> None:
+    def add(self, out: SampleOutput) -> None:
         if out.usage is not None:
             self.prompt += out.usage.prompt_tokens
             self.completion += out.usage.completion_tokens
@@ -57,9 +57,9 @@ class _Choice:
         self.text = ""
         self.logprobs: list[common_pb2.PositionLogprobs] = []
         self.prompt_logprobs: list[common_pb2.PositionLogprobs] | None = None
-        self.finish: GenerationOutput | None = None
+        self.finish: SampleOutput | None = None
 
-    def add(self, out: GenerationOutput) -> None:
+    def add(self, out: SampleOutput) -> None:
         self.text += out.text
         self.logprobs.extend(out.logprobs)
         if out.prompt_logprobs:
@@ -68,7 +68,7 @@ class _Choice:
             self.finish = out
 
 
-def _finish_fields(out: GenerationOutput | None, called_tools: bool = False) -> dict:
+def _finish_fields(out: SampleOutput | None, called_tools: bool = False) -> dict:
     """finish_reason, and vLLM's stop_reason: the stop string or stop token id that ended it.
     A choice that made tool calls and stopped reads "tool_calls" (one cut short keeps "length")."""
     if out is None or not out.finished:
@@ -145,7 +145,7 @@ class Formatter:
     def choice_json(self, index: int, choice: _Choice) -> dict:
         raise NotImplementedError
 
-    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+    def stream_chunks(self, index: int, out: SampleOutput) -> list[dict]:
         raise NotImplementedError
 
 
@@ -188,7 +188,7 @@ class ChatFormatter(Formatter):
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}) for i in range(num_choices)]
 
-    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+    def stream_chunks(self, index: int, out: SampleOutput) -> list[dict]:
         if self.tools is not None:
             return self._tool_stream_chunks(index, out)
         if not (out.text or out.finished or (self.body.logprobs and out.logprobs)):
@@ -197,7 +197,7 @@ class ChatFormatter(Formatter):
                   "logprobs": self._logprobs(out.logprobs), **_finish_fields(out)}
         return [self._chunk(choice)]
 
-    def _tool_stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+    def _tool_stream_chunks(self, index: int, out: SampleOutput) -> list[dict]:
         """A choice's chunks when tools are on: the content the parser lets out, then each call that
         completed, as a delta of its own. A call is sent whole (id, name and all its arguments in one
         delta.tool_calls entry) once its text is complete, rather than its arguments piece by piece:
@@ -259,7 +259,7 @@ class CompletionFormatter(Formatter):
             out["prompt_logprobs"] = _prompt_logprobs_json(choice.prompt_logprobs)
         return out
 
-    def stream_chunks(self, index: int, out: GenerationOutput) -> list[dict]:
+    def stream_chunks(self, index: int, out: SampleOutput) -> list[dict]:
         if not (out.text or out.finished or (self.body.logprobs is not None and out.logprobs)):
             return []
         offset = self._offsets.get(index, 0)

@@ -36,6 +36,7 @@ alone (`samples_to_abort`, sent as AbortRequests.samples).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -43,7 +44,7 @@ from typing import Iterable, Optional
 
 import grpc
 
-from tessera.common.request_outputs import merged_request_outputs
+from tessera.common.request_outputs import MergingQueue, merged_request_outputs
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend.grpc_util import status_code
 from tessera_frontend.tokenizer_client import DetokenizeStreamError, TokenizerClient
@@ -72,13 +73,17 @@ class Failure:
 
 @dataclasses.dataclass
 class SampleOutput:
-    """What one sample of one request produced in one engine step."""
-    index: int
+    """What one sample (choice) of one request produced in one engine step: the processor puts
+    it on the request's queue, and AsyncLLM.generate yields it with the client's `request_id`,
+    and `usage` on the request's last output."""
+    request_id: str = ""
+    index: int = 0
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[common_pb2.PositionLogprobs] = dataclasses.field(default_factory=list)
     finish_reason: int = RUNNING
     stop_reason: str | None = None
+    usage: common_pb2.Usage | None = None
     stop_token_id: int | None = None   # the stop_token_ids entry that ended it
     prompt_logprobs: list[common_pb2.PositionLogprobs] | None = None  # once, when asked
     num_prompt_tokens: int = 0
@@ -90,20 +95,15 @@ class SampleOutput:
         return self.finish_reason != RUNNING
 
     def merged_with(self, later: "SampleOutput") -> "SampleOutput":
-        return merged_outputs(self, later, num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens))
+        """This output followed by `later` of the same sample, as one: the later one's status, the
+        two texts, token ids and logprobs joined, the prompt logprobs of whichever has them."""
+        return dataclasses.replace(
+            later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs, prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            num_cached_tokens=max(self.num_cached_tokens, later.num_cached_tokens))
 
 
-def merged_outputs(earlier, later, **fields):
-    """`earlier` followed by `later`, two outputs of one sample (SampleOutput, or AsyncLLM's
-    GenerationOutput), as one: the later one's status, the two texts, token ids and logprobs
-    joined, the prompt logprobs of whichever has them; `fields` set besides."""
-    return dataclasses.replace(
-        later, text=earlier.text + later.text, token_ids=earlier.token_ids + later.token_ids,
-        logprobs=earlier.logprobs + later.logprobs, prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
-        **fields)
-
-
-class OutputCollector:
+class OutputCollector(MergingQueue[SampleOutput]):
     """A request's outputs waiting for its consumer. Once MAX_WAITING outputs wait (a client
     that reads slowly), a new output of a sample is merged into the last output of that
     sample still waiting, so the queue never grows past MAX_WAITING + one per sample,
@@ -113,38 +113,17 @@ class OutputCollector:
 
     MAX_WAITING = 16
 
-    def __init__(self) -> None:
-        self._items: list[SampleOutput] = []
-        self._ready = asyncio.Event()
-
-    def put_nowait(self, out: SampleOutput) -> None:
-        if out.failure is None and len(self._items) >= self.MAX_WAITING:
-            for i in range(len(self._items) - 1, -1, -1):
-                waiting = self._items[i]
-                if waiting.index == out.index:
-                    if waiting.failure is None and not waiting.finished:
-                        self._items[i] = waiting.merged_with(out)
-                        return
-                    break
-        self._items.append(out)
-        self._ready.set()
-
-    async def get(self) -> SampleOutput:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.pop(0)
-
-    def get_nowait(self) -> SampleOutput:
-        if not self._items:
-            raise asyncio.QueueEmpty
-        return self._items.pop(0)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
+    def merge(self, waiting: collections.deque, out: SampleOutput) -> bool:
+        if out.failure is not None:
+            return False
+        for i in range(len(waiting) - 1, -1, -1):
+            earlier = waiting[i]
+            if earlier.index == out.index:
+                if earlier.failure is None and not earlier.finished:
+                    waiting[i] = earlier.merged_with(out)
+                    return True
+                return False
+        return False
 
 
 @dataclasses.dataclass

@@ -48,7 +48,7 @@ from tessera.common.tls import ClientTls
 from tessera.common.tls import channel as tls_channel
 from tessera.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_frontend.discovery import EngineEntry, Resolver, parse_engine_addrs, resolve_entries, system_resolve
-from tessera_frontend.grpc_util import StreamStalled, drain, is_serving, status_code, watched
+from tessera_frontend.grpc_util import StatusError, StreamStalled, drain, is_serving, status_code, watched
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +70,8 @@ class TokenizeStreamError(Exception):
     """The tokenize stream is down (or broke while a prompt was in flight)."""
 
 
-class TokenizeError(Exception):
+class TokenizeError(StatusError):
     """The tokenizer refused a prompt or could not be reached; `code` is the gRPC status to report."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclasses.dataclass

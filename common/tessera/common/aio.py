@@ -2,8 +2,8 @@
 
 gRPC's aio API spends much of each streamed message in the event loop (futures,
 callbacks, the poller's wake-ups). uvloop (libuv underneath) does that part
-cheaper: measured here ~15% less CPU per streamed gRPC message on both ends,
-which on a machine the engine shares is CPU the engine gets back. `auto` takes it
+with less CPU per streamed gRPC message, on both ends of a stream, and on a
+machine the engine shares that is CPU the engine gets back. `auto` takes it
 when it is installed; `asyncio` is the standard library's loop.
 """
 from __future__ import annotations

@@ -4,9 +4,9 @@
 life (model, tokenizer, compiled protos, imported modules): it collects once, then moves
 every object that survived into the collector's permanent generation (gc.freeze). Later
 full collections then walk only what requests allocate, not the few hundred thousand
-objects of torch, transformers and the model: measured in the engine, a full collection
-during a step cost about 150 ms, which landed on the first step of a burst (its
-requests' objects tip the collector over) and so on those requests' time to first token.
+objects of torch, transformers and the model. In the engine, a full collection during a
+step walking all of those is a long pause, and it lands on the first step of a burst (its
+requests' objects tip the collector over), so on those requests' time to first token.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 # tessera: `make run` (install + local three-service stack + a streamed sample answer)
 #          `make test` (install + the test suite)
+#          `make test-fast` (install + the unit tests that are not slow: tests/README.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.tessera-installed
 PROTOS := $(wildcard protos/tessera/v1/*.proto)
 PYPROJECTS := common/pyproject.toml services/tokenizer/pyproject.toml services/engine/pyproject.toml services/frontend/pyproject.toml
 
-.PHONY: install run test test-containers protos bench clean
+.PHONY: install run test test-fast test-containers protos bench clean
 
 install: $(STAMP)
 
@@ -35,6 +36,10 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# In-process tests only (no service process, nothing slow): under 2 minutes on 2 cores.
+test-fast: install
+	$(PY) -m pytest -q -m "unit and not slow" tests
 
 # The real images and compose stack in a private Docker daemon (scripts/container_test.py):
 # build, up, healthy, a streamed answer, teardown. 20 minutes at most (19 for the script,

@@ -1,9 +1,39 @@
-"""Shared test setup: offline Hugging Face, quiet tokenizers, no metrics port unless a test picks one."""
+"""Shared test setup: offline Hugging Face, quiet tokenizers, no metrics port unless a test picks one;
+and the check that every test is exactly one of `unit` / `integration` (tests/README.md)."""
 import os
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Service processes started by tests serve no /metrics unless the test gives them a port
-# (tests/stack.py gives every service a free one), so parallel runs never fight over 9301-9303.
+# (tests/helpers/stack.py gives every service a free one), so parallel runs never fight over 9301-9303.
 os.environ.setdefault("TESSERA_METRICS_PORT", "0")
+
+# Fixtures that make any test using them slow (over ~20 s for the first user, or HF equality):
+SLOW_FIXTURES = {
+    "generic_kernels",  # compiles the generic CPU-kernel variant (~25 s)
+    "loaded_fp32", "make_core", "hf_greedy",  # the default model in fp32 / HF transformers' generate on it
+    "mistral",  # a random HF Mistral saved and loaded, compared with HF's generate
+}
+# Fixtures that start service processes: a test using one cannot be `unit`.
+PROCESS_FIXTURES = {"stack", "client", "model"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Adds `slow` to tests using a SLOW_FIXTURES fixture; refuses a test that is not exactly one
+    of unit / integration, or a `unit` test that uses the stack."""
+    wrong = []
+    for item in items:
+        names = {m.name for m in item.iter_markers()}
+        fixtures = set(getattr(item, "fixturenames", ()))
+        kinds = names & {"unit", "integration"}
+        if len(kinds) != 1:
+            wrong.append(f"{item.nodeid}: marked {sorted(kinds) or 'neither'}; mark it unit or integration")
+        elif "unit" in kinds and fixtures & PROCESS_FIXTURES:
+            wrong.append(f"{item.nodeid}: marked unit but uses {sorted(fixtures & PROCESS_FIXTURES)}")
+        if fixtures & SLOW_FIXTURES and "slow" not in names:
+            item.add_marker(pytest.mark.slow)
+    if wrong:
+        raise pytest.UsageError("tests without a clear class (tests/README.md):\n  " + "\n  ".join(wrong))

@@ -1,4 +1,5 @@
-"""The real three-service stack, started as OS processes for integration tests.
+"""The real three-service stack, started as OS processes for integration tests (through
+tessera.launch, the launcher `tessera serve` and the benchmarks use too).
 
 `Stack.start()` launches the tokenizer, the engine and the frontend with
 `sys.executable -m <package> --port <free port>`, each on a free loopback port
@@ -33,158 +34,53 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import queue
 import shlex
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 
-import queue
-
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tessera import launch
 from tessera.common.grpc_service import CHANNEL_OPTIONS
+from tessera.launch import HOST, LOG_TAIL_CHARS, free_port, health_status  # noqa: F401  (the tests' names)
 from tessera.v1 import engine_pb2, engine_pb2_grpc, frontend_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
-HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_TEST_STARTUP_TIMEOUT", "300"))
-LOG_TAIL_CHARS = 4000
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now and that this process has not handed out before.
-
-    The kernel may give the same port to two bind(0) calls in a row once the first socket is
-    closed; two services of one stack on one port would leave one of them unbound (a metrics
-    server that cannot bind only logs it, so its URL would reach another service's gRPC)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((HOST, 0))
-            port = sock.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-
-
-def health_status(channel: grpc.Channel, service: str = "", timeout: float = 2.0) -> int:
-    reply = health_pb2_grpc.HealthStub(channel).Check(
-        health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-    return reply.status
 
 
 @dataclasses.dataclass
-class Service:
-    """One service process: its name, module, port and log file (and HTTP port, for a frontend)."""
-    name: str
-    module: str
-    port: int
-    args: list[str]
-    log_path: pathlib.Path
-    process: subprocess.Popen | None = None
-    metrics_port: int = dataclasses.field(default_factory=free_port)
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    host: str = HOST                 # loopback address to bind (127.0.0.x)
-    http_port: int | None = None     # a frontend's OpenAI-compatible HTTP API
-    health_seen: set[int] = dataclasses.field(default_factory=set)  # statuses wait_serving saw
+class Service(launch.Service):
+    """One service process (tessera.launch.Service) with the tests' defaults: a free metrics port
+    of its own, and an engine in float32 unless the environment or the test says otherwise."""
+    metrics_port: int | None = dataclasses.field(default_factory=free_port)
 
-    @property
-    def addr(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}"
-
-    def start(self) -> None:
+    def environment(self) -> dict[str, str]:
         # Engines under test run in float32 unless a test says otherwise: tests compare a
         # request's text across batch compositions, and bf16 (the default on this CPU) rounds
         # differently in a batch than alone, which flips a near-tie now and then.
         # (The container test runs the images at their defaults.)
         dtype = {"TESSERA_DTYPE": "float32"} if self.module == "tessera_engine" else {}
-        env = {**dtype, **os.environ, "TESSERA_BIND_HOST": self.host, "PYTHONUNBUFFERED": "1",
-               "TESSERA_METRICS_PORT": str(self.metrics_port), **self.env}
-        with open(self.log_path, "ab") as log:  # a restarted process appends to its log
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, "--port", str(self.port), *self.args],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return {**dtype, **super().environment()}
 
-    def log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return "(no log)"
-
-    def wait_serving(self, deadline: float) -> None:
-        with grpc.insecure_channel(self.addr) as channel:
-            while True:
-                code = self.process.poll()
-                if code is not None:
-                    raise RuntimeError(f"{self.name} exited with status {code} before SERVING; "
-                                       f"log tail:\n{self.log_tail()}")
-                try:
-                    status = health_status(channel)
-                    self.health_seen.add(status)
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} not SERVING after {STARTUP_TIMEOUT_S:g}s; "
-                                       f"log tail:\n{self.log_tail()}")
-                time.sleep(0.25)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies at once, as a crashed or OOM-killed one does."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
+    def wait_serving(self, deadline: float, timeout_s: float | None = STARTUP_TIMEOUT_S) -> None:
+        super().wait_serving(deadline, timeout_s)
 
 
 def frontend_service(name: str, tokenizer_addr: str, engine_addrs: str, log_dir: pathlib.Path,
                      *args: str) -> Service:
     """A frontend process (not started) with its own gRPC and HTTP ports in front of these backends."""
-    http_port = free_port()
-    return Service(name, "tessera_frontend", free_port(),
-                   ["--tokenizer-addr", tokenizer_addr, "--engine-addrs", engine_addrs,
-                    "--http-port", str(http_port), *args],
-                   log_dir / f"{name}.log", http_port=http_port)
+    return launch.frontend_service(name, tokenizer_addr, engine_addrs, log_dir, *args, service_class=Service)
 
 
 @contextlib.contextmanager
 def all_serving(*services: Service):
     """Start these services at once, wait until each is SERVING (one deadline), yield them;
     stop them in reverse order on exit."""
-    try:
-        for service in services:
-            service.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for service in services:
-            service.wait_serving(deadline)
+    with launch.all_serving(*services, timeout_s=STARTUP_TIMEOUT_S):
         yield services
-    finally:
-        for service in reversed(services):
-            service.stop()
 
 
 @contextlib.contextmanager
@@ -201,7 +97,7 @@ def tokenizer_and_frontend(stack: "Stack", name: str, *frontend_args: str):
         try:
             yield tokenizer, frontend
         finally:
-            if tokenizer.process is not None and tokenizer.process.poll() is None:
+            if tokenizer.running():
                 os.kill(tokenizer.process.pid, signal.SIGCONT)
 
 
@@ -268,57 +164,35 @@ class EngineSession:
         self.call.cancel()
 
 
-class Stack:
-    """Tokenizer + engine + frontend processes and client stubs for each."""
+class Stack(launch.Stack):
+    """Tokenizer + engine + frontend processes (tessera.launch.Stack, the tests' Service and the
+    TESSERA_TEST_*_ARGS flags) and client stubs for each."""
 
     def __init__(self) -> None:
-        self.log_dir = pathlib.Path(tempfile.mkdtemp(prefix="tessera-stack-"))
         extra = lambda var: shlex.split(os.environ.get(var, ""))  # noqa: E731
-        self.tokenizer = Service("tokenizer", "tessera_tokenizer", free_port(),
-                                 extra("TESSERA_TEST_TOKENIZER_ARGS"), self.log_dir / "tokenizer.log")
-        self.engine = Service("engine", "tessera_engine", free_port(),
-                              extra("TESSERA_TEST_ENGINE_ARGS"), self.log_dir / "engine.log")
-        self.frontend = frontend_service("frontend", self.tokenizer.addr, self.engine.addr, self.log_dir,
-                                         *extra("TESSERA_TEST_FRONTEND_ARGS"))
-        self.services = [self.tokenizer, self.engine, self.frontend]
+        super().__init__(tokenizer_args=extra("TESSERA_TEST_TOKENIZER_ARGS"),
+                         engine_args=extra("TESSERA_TEST_ENGINE_ARGS"),
+                         frontend_args=extra("TESSERA_TEST_FRONTEND_ARGS"), service_class=Service)
         self._channels: list[grpc.Channel] = []
 
-    def start(self) -> "Stack":
-        try:
-            for service in self.services:
-                service.start()
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            for service in self.services:
-                service.wait_serving(deadline)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Stack":
+        super().start(timeout_s)  # stops them all again when one fails
         self.frontend_channel = self._channel(self.frontend.addr)
         self.frontend_stub = frontend_pb2_grpc.FrontendServiceStub(self.frontend_channel)
         self.tokenizer_stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel(self.tokenizer.addr))
         self.engine_stub = engine_pb2_grpc.EngineServiceStub(self._channel(self.engine.addr))
         return self
 
-    @property
-    def http_url(self) -> str:
-        """Base URL of the frontend's OpenAI-compatible HTTP API (append /v1/...)."""
-        return self.frontend.http_url
-
     def _channel(self, addr: str) -> grpc.Channel:
         channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
         self._channels.append(channel)
         return channel
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = launch.STOP_TIMEOUT_S) -> None:
         for channel in self._channels:
             channel.close()
         self._channels.clear()
-        for service in reversed(self.services):  # frontend first
-            service.stop()
-
-    def logs(self) -> str:
-        """Every service's log tail (for assertion messages)."""
-        return "\n".join(f"--- {s.name} ---\n{s.log_tail()}" for s in self.services)
+        super().stop(timeout)  # frontend first
 
 
 _shared: Stack | None = None

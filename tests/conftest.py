@@ -17,12 +17,15 @@ SLOW_FIXTURES = {
     "loaded_fp32", "make_core", "hf_greedy",  # the default model in fp32 / HF transformers' generate on it
     "mistral",  # a random HF Mistral saved and loaded, compared with HF's generate
 }
+# Parametrized fixtures whose value makes a test slow: test_cpu_kernels.py's `kernels` fixture
+# takes generic_kernels by request.getfixturevalue, which item.fixturenames does not show.
+SLOW_PARAMS = {("kernels", "generic")}
 # Fixtures that start service processes: a test using one cannot be `unit`.
 PROCESS_FIXTURES = {"stack", "client", "model"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Adds `slow` to tests using a SLOW_FIXTURES fixture; refuses a test that is not exactly one
+    """Adds `slow` to tests using a SLOW_FIXTURES fixture or a SLOW_PARAMS value; refuses a test that is not exactly one
     of unit / integration, or a `unit` test that uses the stack."""
     wrong = []
     for item in items:
@@ -33,7 +36,9 @@ def pytest_collection_modifyitems(config, items):
             wrong.append(f"{item.nodeid}: marked {sorted(kinds) or 'neither'}; mark it unit or integration")
         elif "unit" in kinds and fixtures & PROCESS_FIXTURES:
             wrong.append(f"{item.nodeid}: marked unit but uses {sorted(fixtures & PROCESS_FIXTURES)}")
-        if fixtures & SLOW_FIXTURES and "slow" not in names:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        slow_param = any(params.get(name) == value for name, value in SLOW_PARAMS)
+        if (fixtures & SLOW_FIXTURES or slow_param) and "slow" not in names:
             item.add_marker(pytest.mark.slow)
     if wrong:
         raise pytest.UsageError("tests without a clear class (tests/README.md):\n  " + "\n  ".join(wrong))

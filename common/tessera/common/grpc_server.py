@@ -1,11 +1,18 @@
 """A service process's gRPC server, from start to graceful stop; the three services share it.
 
-    server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
-    add_FooServicer_to_server(servicer, server.server)        # servicers before start
-    await server.start(args.host, args.port, args.metrics_port)  # BindError if it cannot listen
-    ...  # load; then `await server.health.set(True)` when ready
-    await server.wait_for_stop()                              # SIGTERM / SIGINT
-    await server.stop(drain=...)                              # NOT_SERVING, drain, close
+    async def serve(args) -> int:
+        server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
+        add_FooServicer_to_server(servicer, server.server)       # servicers before start
+        if await server.try_start(args.host, args.port, args.metrics_port) is None:
+            return 1                                             # cannot listen (logged)
+        ...  # load; then `await server.health.set(True)` when ready
+        await server.wait_for_stop()                             # SIGTERM / SIGINT
+        await server.stop(drain=...)                             # NOT_SERVING, drain, close
+        log.info("stopped")
+        return 0
+
+    def main(argv=None) -> int:
+        return run_service("foo", serve, parse_args(argv))      # logging, event loop, exit code
 
 What it does, in this order:
 
@@ -31,16 +38,18 @@ those streams carry new requests until the grace runs out.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
-from typing import Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Coroutine, Iterable
 
 import grpc
 
 from tessera.common import aio
 from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
+from tessera.common.logs import setup_logging
 from tessera.common.metrics import MetricsServer, start_metrics_server
 from tessera.common.tls import ServerTls
 
@@ -105,6 +114,15 @@ class GrpcServer:
         self.metrics_server = start_metrics_server(metrics_port, host, health=lambda: self.health.serving)
         return bound
 
+    async def try_start(self, host: str, port: int, metrics_port: int = 0, **kwargs) -> int | None:
+        """`start`, with an address that cannot be bound logged as an error and answered None
+        (the service then exits 1) instead of raising BindError."""
+        try:
+            return await self.start(host, port, metrics_port, **kwargs)
+        except BindError as exc:
+            self.log.error("%s", exc)
+            return None
+
     def request_stop(self) -> None:
         """What SIGTERM / SIGINT do: `wait_for_stop` returns."""
         self.stop_requested.set()
@@ -123,3 +141,17 @@ class GrpcServer:
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
+
+
+def run_service(service: str, serve: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
+                args: argparse.Namespace) -> int:
+    """The end of a service's main(), once its flags are parsed: JSON logging as `service` at
+    --log-level, `serve(args)` run to its end on the --event-loop chosen (`serve` starts a
+    GrpcServer, whose `start` installs the SIGTERM / SIGINT handlers, and after `wait_for_stop`
+    drains with `stop`), and its exit code made the process's: a non-zero code is raised as
+    SystemExit (`python -m <service>` does not pass main's return value on); 0 is returned."""
+    setup_logging(service, args.log_level)
+    code = aio.run(serve(args), args.event_loop)
+    if code:
+        raise SystemExit(code)
+    return code

@@ -22,12 +22,11 @@ import logging
 
 import grpc
 
-from tessera.common import aio, tls
+from tessera.common import tls
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.grpc_server import GrpcServer, run_service
 from tessera.common.grpc_service import Health
 from tessera.common.heap import freeze_startup_heap
-from tessera.common.logs import setup_logging
 from tessera.common.metrics import add_metrics_flag
 from tessera.v1 import frontend_pb2, frontend_pb2_grpc
 from tessera_frontend.admission import AdmissionController
@@ -150,12 +149,10 @@ async def serve(args: argparse.Namespace) -> int:
                              interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else None)
     frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission),
                                                             grpc_server.server)
-    try:
-        await grpc_server.start(args.host, args.port, args.metrics_port, tls=server_tls, http_port=args.http_port or None,
-                                tokenizer=args.tokenizer_addr, engines=[str(e) for e in engine.entries],
-                                max_inflight_requests=args.max_inflight_requests, api_keys=len(parse_api_keys(args.api_key)))
-    except BindError as exc:
-        log.error("%s", exc)
+    if await grpc_server.try_start(
+            args.host, args.port, args.metrics_port, tls=server_tls, http_port=args.http_port or None,
+            tokenizer=args.tokenizer_addr, engines=[str(e) for e in engine.entries],
+            max_inflight_requests=args.max_inflight_requests, api_keys=len(parse_api_keys(args.api_key))) is None:
         await llm.close()
         return 1
     http = None
@@ -196,11 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if not 0 <= args.http_port < 65536:
         parser.error("--http-port must be in [0, 65535]")
-    setup_logging("frontend", args.log_level)
-    code = aio.run(serve(args), args.event_loop)
-    if code:  # (`python -m tessera_frontend` does not pass main's return value on)
-        raise SystemExit(code)
-    return code
+    return run_service("frontend", serve, args)
 
 
 if __name__ == "__main__":

@@ -30,17 +30,17 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 import grpc
 
-from tessera.common import aio, tls
+from tessera.common import tls
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.grpc_server import GrpcServer, run_service
 from tessera.common.grpc_service import request_id_from
 from tessera.common.heap import freeze_startup_heap
-from tessera.common.logs import setup_logging
 from tessera.common.metrics import add_metrics_flag
+from tessera.common.request_rules import CHAT_ROLES
 from tessera.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_tokenizer import metrics
 from tessera_tokenizer.detokenize_stream import DetokenizeSession
-from tessera_tokenizer.tokenizer import CHAT_ROLES, Encoding, Tokenizer
+from tessera_tokenizer.tokenizer import Encoding, Tokenizer
 
 log = logging.getLogger("tessera.tokenizer")
 
@@ -401,10 +401,7 @@ async def serve(args: argparse.Namespace) -> int:
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
     servicer = TokenizerServicer(args.max_input_chars, args.max_messages)
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, grpc_server.server)
-    try:
-        await grpc_server.start(args.host, args.port, args.metrics_port, tls=tls.server_tls(args))
-    except BindError as exc:
-        log.error("%s", exc)
+    if await grpc_server.try_start(args.host, args.port, args.metrics_port, tls=tls.server_tls(args)) is None:
         return 1
 
     started = time.perf_counter()
@@ -438,6 +435,4 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    setup_logging("tokenizer", args.log_level)
-    return aio.run(serve(args), args.event_loop)
+    return run_service("tokenizer", serve, parse_args(argv))

@@ -17,9 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tessera.common import aio
+from tessera.common import aio, grpc_server
 from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S, add_common_flags
-from tessera.common.grpc_server import BindError, GrpcServer, bind_address
+from tessera.common.grpc_server import BindError, GrpcServer, bind_address, run_service
 
 from helpers.stack import free_port
 
@@ -134,6 +134,31 @@ def test_an_address_that_cannot_be_bound_is_a_bind_error():
             await server.start("192.0.2.1", free_port(), handle_signals=False)  # not this machine's
 
     aio.run(run(), "asyncio")
+
+
+def test_try_start_logs_an_address_that_cannot_be_bound_and_answers_none(caplog):
+    async def run() -> None:
+        server, _ = make_server()
+        with caplog.at_level(logging.ERROR, logger=log.name):
+            assert await server.try_start("192.0.2.1", free_port(), handle_signals=False) is None
+        assert any("cannot listen on 192.0.2.1:" in r.getMessage() for r in caplog.records)
+
+    aio.run(run(), "asyncio")
+
+
+def test_run_service_makes_serves_code_the_exit_status(monkeypatch):
+    args = argparse.Namespace(log_level="DEBUG", event_loop="asyncio")
+    logging_set_up = []  # (the real one would take the root logger's handlers from pytest)
+    monkeypatch.setattr(grpc_server, "setup_logging", lambda *a: logging_set_up.append(a))
+
+    async def serve(code: int) -> int:
+        return code
+
+    assert run_service("test", lambda a: serve(0), args) == 0
+    assert logging_set_up == [("test", "DEBUG")]
+    with pytest.raises(SystemExit) as info:
+        run_service("test", lambda a: serve(1), args)
+    assert info.value.code == 1
 
 
 def test_sigterm_stops_and_open_calls_drain_within_the_grace():

@@ -16,8 +16,9 @@ import pytest
 
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend import async_llm as async_llm_module
-from tessera_frontend.async_llm import AsyncLLM, GenerateError, GenerationOutput
+from tessera_frontend.async_llm import AsyncLLM, GenerateError
 from tessera_frontend.engine_client import NoReplicaError
+from tessera_frontend.output_processor import SampleOutput
 from helpers.fakes import EOS, WORDS, FakeTokenizerClient, ids, run_async
 
 pytestmark = pytest.mark.unit
@@ -135,11 +136,11 @@ def started(stream_interval: int = 1, engine: FakeEngine | None = None,
     return llm
 
 
-async def collect(llm: AsyncLLM, prompt="a b c", request_id: str = "r1", **params) -> list[GenerationOutput]:
+async def collect(llm: AsyncLLM, prompt="a b c", request_id: str = "r1", **params) -> list[SampleOutput]:
     return [out async for out in llm.generate(request_id, prompt, common_pb2.SamplingParams(**params))]
 
 
-def text_of(outs: list[GenerationOutput], index: int = 0) -> str:
+def text_of(outs: list[SampleOutput], index: int = 0) -> str:
     return "".join(o.text for o in outs if o.index == index)
 
 
@@ -380,9 +381,9 @@ async def test_a_burst_tells_the_engine_more_requests_are_coming():
 
 
 def test_merged_outputs_keep_the_later_status():
-    first = GenerationOutput("r", 0, "a", [1], [], RUNNING, None,
-                             prompt_logprobs=[common_pb2.PositionLogprobs()])
-    later = GenerationOutput("r", 0, "b", [2], [], STOP, "!", usage=common_pb2.Usage(completion_tokens=2))
+    first = SampleOutput("r", 0, "a", [1], [], RUNNING, None,
+                         prompt_logprobs=[common_pb2.PositionLogprobs()])
+    later = SampleOutput("r", 0, "b", [2], [], STOP, "!", usage=common_pb2.Usage(completion_tokens=2))
     merged = first.merged_with(later)
     assert (merged.text, merged.token_ids, merged.finish_reason, merged.stop_reason) == ("ab", [1, 2], STOP, "!")
     assert merged.usage.completion_tokens == 2 and merged.prompt_logprobs == first.prompt_logprobs

@@ -1,6 +1,6 @@
 """The OpenAI response shapes in-process: openai_formatters' chat and completion formatters
 (whole responses, stream chunks, usage, finish_reason / stop_reason mapping, logprobs) and
-openai_api's server-sent-event stream built on them. GenerationOutputs are made by hand;
+openai_api's server-sent-event stream built on them. SampleOutputs are made by hand;
 the stack tests (test_openai_api.py) check the same shapes through the openai client.
 """
 from __future__ import annotations
@@ -13,11 +13,12 @@ import grpc
 import pytest
 
 from tessera.v1 import common_pb2
-from tessera_frontend.async_llm import GenerateError, GenerationOutput
+from tessera_frontend.async_llm import GenerateError
 from tessera_frontend.openai_api import event_stream
 from tessera_frontend.openai_formatters import (LOGPROB_FLOOR, ChatFormatter, CompletionFormatter, IndexedOutput,
                                                 Usage)
 from tessera_frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tessera_frontend.output_processor import SampleOutput
 
 pytestmark = pytest.mark.unit
 
@@ -38,9 +39,9 @@ def position(chosen: common_pb2.TokenLogprob, *top: common_pb2.TokenLogprob) -> 
 
 def out(text: str, index: int = 0, finish: int = RUNNING, stop_reason: str | None = None,
         stop_token_id: int | None = None, usage: common_pb2.Usage | None = None, logprobs=(),
-        prompt_logprobs=None) -> GenerationOutput:
-    return GenerationOutput("req", index, text, [1] * max(1, len(logprobs)), list(logprobs), finish, stop_reason,
-                            usage, stop_token_id, prompt_logprobs, num_prompt_tokens=5)
+        prompt_logprobs=None) -> SampleOutput:
+    return SampleOutput("req", index, text, [1] * max(1, len(logprobs)), list(logprobs), finish, stop_reason,
+                        usage, stop_token_id, prompt_logprobs, num_prompt_tokens=5)
 
 
 def usage(prompt: int, completion: int, cached: int = 0) -> common_pb2.Usage:

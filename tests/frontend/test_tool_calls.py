@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 
 from tessera.v1 import common_pb2, tokenizer_pb2
-from tessera_frontend.async_llm import GenerationOutput
 from tessera_frontend.openai_formatters import ChatFormatter, IndexedOutput
 from tessera_frontend.openai_protocol import (ApiError, ChatCompletionRequest, chat_messages, chat_tools,
                                               sampling_params)
+from tessera_frontend.output_processor import SampleOutput
 from tessera_frontend.tool_calls import (AutoParser, Tool, ToolCall, ToolChoice, ToolSchemaError, make_parser,
                                          parse_reply, required_schema)
 from tessera_frontend.validation import Limits
@@ -317,8 +317,8 @@ def test_chat_messages_refuse_bad_tool_turns(param, message):
 
 
 # -- formatter ------------------------------------------------------------------------------------------------
-def out(text: str, finish: int = RUNNING, index: int = 0) -> GenerationOutput:
-    return GenerationOutput("req", index, text, [1], [], finish, None)
+def out(text: str, finish: int = RUNNING, index: int = 0) -> SampleOutput:
+    return SampleOutput("req", index, text, [1], [], finish, None)
 
 
 def test_chat_response_with_tool_calls():

@@ -105,12 +105,12 @@ def test_validate_rejects_bad_roles_and_ids():
 def test_chat_roles_are_the_tokenizers():
     # One contract: every role the tokenizer's chat template takes passes the frontend, over gRPC
     # and HTTP, and no other does.
-    from tessera_frontend import openai_protocol
-    from tessera_tokenizer.tokenizer import CHAT_ROLES as TOKENIZER_ROLES
-    from tessera_frontend.validation import CHAT_ROLES
+    from tessera.common.request_rules import CHAT_ROLES
+    from tessera_frontend import openai_protocol, validation
+    from tessera_tokenizer import server as tokenizer_server
 
-    assert set(CHAT_ROLES) == set(TOKENIZER_ROLES)
-    messages = [tokenizer_pb2.ChatMessage(role=role, content=f"{role} text") for role in TOKENIZER_ROLES]
+    assert tokenizer_server.CHAT_ROLES is validation.CHAT_ROLES is openai_protocol.CHAT_ROLES is CHAT_ROLES
+    messages = [tokenizer_pb2.ChatMessage(role=role, content=f"{role} text") for role in CHAT_ROLES]
     validate_request(frontend_pb2.GenerateRequest(chat=tokenizer_pb2.ChatMessages(messages=messages)), LIMITS)
 
     body = openai_protocol.ChatCompletionRequest(messages=[

@@ -71,9 +71,6 @@ class GenerateError(StatusError):
         return cls(grpc.StatusCode[problem.code], str(problem))
 
 
-GenerationOutput = SampleOutput  # the name the tests still use (they move to SampleOutput)
-
-
 class AsyncLLM:
     """Tokenizer + engine replicas + output processor behind one generate() call."""
 

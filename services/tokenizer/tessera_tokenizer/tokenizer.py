@@ -19,7 +19,6 @@ from typing import Any, Iterable, Mapping, Sequence
 import tokenizers
 
 from tessera.common.model_source import ModelSource, resolve_model
-from tessera.common.request_rules import CHAT_ROLES  # the roles a chat message may have  # noqa: F401
 
 # Inputs longer than this go through the batch calls of `tokenizers`, which release the
 # GIL while they run (the single-input calls hold it), so other threads keep running.

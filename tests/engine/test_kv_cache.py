@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tessera_engine.kv_cache import KVCacheManager, KVCopy, PrefixHit
-from tessera_engine.request import EngineCoreRequest, Request
+from tessera_engine.request import EngineCoreRequest, Sample
 from tessera_engine.sampling_params import SamplingParams
 
 from helpers.engine_requests import make_req
@@ -95,7 +95,7 @@ def test_partial_block_hit_copies_the_shared_start_of_the_next_block():
     a = make_req("a", 12)
     kv.allocate(a, 12)
     src = kv.block_table(a)[2]
-    b = Request(EngineCoreRequest("b", list(range(10)) + [50, 51, 52], SamplingParams()), 0, [2])
+    b = Sample(EngineCoreRequest("b", list(range(10)) + [50, 51, 52], SamplingParams()), 0, [2])
     hit = kv.find_cached_prefix(b)
     assert hit == PrefixHit(kv.block_table(a)[:2], 10, src, 2)
     assert kv.allocate(b, 13 - 10, hit)
@@ -103,10 +103,10 @@ def test_partial_block_hit_copies_the_shared_start_of_the_next_block():
     assert table[:2] == kv.block_table(a)[:2] and table[2] not in kv.block_table(a) and len(table) == 4
     assert kv.copy_for(b, hit) == KVCopy(src, table[2], 2)
     # a third prompt sharing 1 token of that block: the longest shared start wins
-    c = Request(EngineCoreRequest("c", list(range(9)) + [60, 61], SamplingParams()), 0, [2])
+    c = Sample(EngineCoreRequest("c", list(range(9)) + [60, 61], SamplingParams()), 0, [2])
     assert kv.find_cached_prefix(c).copy_tokens == 1
     # no match past the first block boundary's tokens: nothing to copy
-    d = Request(EngineCoreRequest("d", list(range(8)) + [70, 71], SamplingParams()), 0, [2])
+    d = Sample(EngineCoreRequest("d", list(range(8)) + [70, 71], SamplingParams()), 0, [2])
     assert kv.find_cached_prefix(d) == PrefixHit(kv.block_table(a)[:2], 8)
 
 
@@ -117,7 +117,7 @@ def test_partial_hit_never_reads_a_block_copied_into_in_the_same_step():
     kv = KVCacheManager(num_blocks=12, block_size=4)
 
     def admit(rid, tokens):
-        r = Request(EngineCoreRequest(rid, tokens, SamplingParams()), 0, [2])
+        r = Sample(EngineCoreRequest(rid, tokens, SamplingParams()), 0, [2])
         hit = kv.find_cached_prefix(r)
         assert kv.allocate(r, len(tokens) - hit.num_tokens, hit)
         return r, hit, kv.copy_for(r, hit)
@@ -140,7 +140,7 @@ def test_partial_hit_source_is_held_through_its_step():
     a = make_req("a", 8)
     kv.allocate(a, 8)
     kv.free(a)  # both blocks cached and free
-    b = Request(EngineCoreRequest("b", [0, 1, 2, 3, 4, 5, 90], SamplingParams()), 0, [2])
+    b = Sample(EngineCoreRequest("b", [0, 1, 2, 3, 4, 5, 90], SamplingParams()), 0, [2])
     hit = kv.find_cached_prefix(b)
     assert hit.copy_from is not None and hit.copy_tokens == 2
     assert kv.allocate(b, 7 - hit.num_tokens, hit)
@@ -151,7 +151,7 @@ def test_partial_hit_source_is_held_through_its_step():
     kv.release_copy_sources()
     assert kv.num_free_blocks == 1 and kv.blocks[hit.copy_from].ref_cnt == 0
     # still cached: a later prompt finds it again
-    assert kv.find_cached_prefix(Request(EngineCoreRequest("e", [0, 1, 2, 3, 4, 5, 91], SamplingParams()),
+    assert kv.find_cached_prefix(Sample(EngineCoreRequest("e", [0, 1, 2, 3, 4, 5, 91], SamplingParams()),
                                          0, [2])).copy_from == hit.copy_from
 
 

@@ -41,7 +41,7 @@ def test_running_first_then_waiting_within_budget():
     s.add_request(b)
     s.add_request(c)
     out = s.schedule()
-    got = [(x.request.request_id, x.num_new_tokens) for x in out.scheduled]
+    got = [(x.sample.request_id, x.num_new_tokens) for x in out.scheduled]
     assert got == [("a", 1), ("b", 8), ("c", 3)]  # decode first, then prefill, then a chunk
     assert out.num_batched_tokens == 12
 
@@ -63,7 +63,7 @@ def test_preemption_takes_latest_and_requeues_it_first():
     out = s.schedule()
     assert [p.request_id for p in out.preempted] == ["b"]
     assert s.waiting[0] is b and b.num_computed_tokens == 0
-    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert [x.sample.request_id for x in out.scheduled] == ["a"]
     assert s.num_preemptions == 1
 
 
@@ -72,4 +72,4 @@ def test_priority_policy_orders_waiting_and_preempts_lowest():
     s.add_request(make_req("low", 4, arrival=0, priority=5))
     s.add_request(make_req("high", 4, arrival=1, priority=0))
     out = s.schedule()
-    assert out.scheduled[0].request.request_id == "high"
+    assert out.scheduled[0].sample.request_id == "high"

@@ -12,7 +12,7 @@ from tessera_engine.core import EngineCore
 from tessera_engine.kv_cache import FREED_BLOCK, KVCacheManager
 from tessera_engine.models.llama import sliding_window
 from tessera_engine.models.loader import load_model
-from tessera_engine.request import EngineCoreRequest, Request
+from tessera_engine.request import EngineCoreRequest, Sample
 from tessera_engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -20,11 +20,11 @@ pytestmark = pytest.mark.unit
 F = FREED_BLOCK
 
 
-def make_req(rid: str, tokens: list[int]) -> Request:
-    return Request(EngineCoreRequest(rid, tokens, SamplingParams(max_tokens=8)), 0, [2])
+def make_req(rid: str, tokens: list[int]) -> Sample:
+    return Sample(EngineCoreRequest(rid, tokens, SamplingParams(max_tokens=8)), 0, [2])
 
 
-def run_chunks(kv: KVCacheManager, req: Request, chunk: int) -> None:
+def run_chunks(kv: KVCacheManager, req: Sample, chunk: int) -> None:
     """Allocate and 'compute' the request's known tokens chunk by chunk, as steps would."""
     while req.num_computed_tokens < req.num_tokens:
         n = min(chunk, req.num_tokens - req.num_computed_tokens)

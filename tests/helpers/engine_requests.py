@@ -4,26 +4,27 @@ from __future__ import annotations
 
 from tessera_engine.config import EngineConfig
 from tessera_engine.kv_cache import KVCacheManager
-from tessera_engine.model_runner import ModelRunnerOutput
-from tessera_engine.request import EngineCoreRequest, Request
+from tessera_engine.outputs import ModelRunnerOutput
+from tessera_engine.request import EngineCoreRequest, Sample
 from tessera_engine.sampling_params import SamplingParams
 from tessera_engine.scheduler import Scheduler
 
 
 def make_req(rid: str, n_tokens: int, start: int = 0, arrival: float = 0.0, priority: int = 0,
-             **params) -> Request:
+             **params) -> Sample:
     core = EngineCoreRequest(rid, list(range(start, start + n_tokens)), SamplingParams(**params),
                              priority=priority, arrival_time=arrival)
-    return Request(core, 0, [2])
+    return Sample(core, 0, [2])
 
 
-def make_scheduler(num_blocks=100, block_size=4, **cfg) -> Scheduler:
+def make_scheduler(num_blocks=100, block_size=4, token_budget=512, **cfg) -> Scheduler:
     config = EngineConfig(block_size=block_size, **cfg)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, config.enable_prefix_caching), 1000)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, config.enable_prefix_caching), 1000,
+                     cfg.get("max_num_batched_tokens") or token_budget)
 
 
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {x.request.key: token for x in out.scheduled if x.samples}
+    sampled = {x.sample.key: token for x in out.scheduled if x.samples}
     s.update_from_output(out, ModelRunnerOutput(sampled, {}, {}))
     return out

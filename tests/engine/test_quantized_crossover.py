@@ -1,0 +1,64 @@
+"""Unit tests of the quantized/dense crossover timing (tessera_engine.quantized_crossover)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tessera_engine import quantized_crossover as qc
+from tessera_engine.models.llama import MatmulPair
+
+pytestmark = pytest.mark.unit
+
+
+def _pairs(ms_per_row: float, dense_ms: float) -> list[MatmulPair]:
+    """One fake matmul whose quantized pass costs ms_per_row a row and dense pass a flat dense_ms."""
+    return [MatmulPair(8, (8, 8, 3), lambda x: time.sleep(x.shape[0] * ms_per_row / 1000),
+                       lambda x: time.sleep(dense_ms / 1000))]
+
+
+def test_bisection_finds_the_last_row_count_where_the_quantized_pass_wins():
+    rows, timings = qc.measure(_pairs(4.0, 18.0), torch.float32)  # wins up to 4 rows (16 < 18 ms), loses at 6
+    assert rows == 4
+    assert all((q < d) == (r <= 4) for r, (q, d) in timings.items())
+    assert len(timings) < len(qc.CANDIDATE_ROWS)  # bisection, not every candidate
+
+
+def test_no_rows_when_the_quantized_pass_loses_at_one_row():
+    assert qc.measure(_pairs(20.0, 5.0), torch.float32)[0] == 0
+
+
+def test_a_quiet_measurement_is_cached_and_a_busy_one_is_not(monkeypatch, tmp_path):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "measure", lambda pairs, dtype: (3, {3: (1.0, 2.0)}))
+
+    class Model:
+        def matmul_pairs(self, qlinear):
+            return _pairs(1.0, 1.0)
+
+    class Ops:
+        qlinear = None
+
+        class dense_packing:
+            name = "test"
+
+    busy = iter([0.0, 100.0])  # the machine's busy seconds jump: someone else ran
+    monkeypatch.setattr(qc, "_system_busy_s", lambda: next(busy))
+    rows, why = qc.crossover_rows(Model(), Ops(), torch.float32)
+    assert rows == 3 and "not cached" in why and not qc.cache_path().exists()
+    assert qc.crossover_rows(Model(), Ops(), torch.float32)[1] == "timed by this process for an earlier engine"
+
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "_system_busy_s", lambda: 0.0)
+    rows, why = qc.crossover_rows(Model(), Ops(), torch.float32)
+    assert rows == 3 and "cached" in why
+    table = json.loads(qc.cache_path().read_text())
+    assert [e["rows"] for e in table.values()] == [3]
+
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "measure", lambda pairs, dtype: pytest.fail("measured again despite the cache"))
+    rows, why = qc.crossover_rows(Model(), Ops(), torch.float32)
+    assert rows == 3 and "before" in why

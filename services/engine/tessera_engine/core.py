@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Callable
 
+from tessera.common.request_rules import SamplingCaps, request_problem
 from tessera_engine.config import EngineConfig
 from tessera_engine.executor import Executor
 from tessera_engine.kv_cache import KVCacheManager
@@ -77,46 +78,19 @@ class EngineCore:
 
     # -- intake ----------------------------------------------------------------
     def check_request(self, req: EngineCoreRequest) -> None:
-        """Raise RequestRejected when the request cannot run here."""
+        """Raise RequestRejected when the request cannot run here: the request rules
+        (tessera.common.request_rules, the frontend's too: a client may call the engine
+        directly) against this engine's model and caps, then its queue and running ids.
+        Called on the core thread, which owns the state it reads."""
         p = req.sampling_params
-        try:
-            p.validate()
-        except ValueError as exc:
-            raise RequestRejected("INVALID_ARGUMENT", str(exc)) from None
-        # ranges only the engine knows: its vocabulary and caps (a client may call the
-        # engine directly, past the frontend's own checks)
-        V = self.vocab_size
-        if p.top_k > V:
-            raise RequestRejected("INVALID_ARGUMENT", f"top_k must be at most the vocabulary size {V}, got {p.top_k}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(p, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise RequestRejected("INVALID_ARGUMENT",
-                                      f"{name} must be at most {self.config.max_logprobs}, got {value}")
-        if p.n > self.config.max_num_seqs:
-            raise RequestRejected("INVALID_ARGUMENT", f"n must be at most max_num_seqs ({self.config.max_num_seqs}), "
-                                                      f"got {p.n}")
-        for name, ids in (("stop_token_ids", p.stop_token_ids), ("eos_token_ids", req.eos_token_ids or []),
-                          ("logit_bias", list(p.logit_bias))):
-            bad = [t for t in ids if not 0 <= t < V]
-            if bad:
-                raise RequestRejected("INVALID_ARGUMENT", f"{name}: {bad[0]} is outside the vocabulary [0, {V})")
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise RequestRejected("INVALID_ARGUMENT", "prompt_token_ids is empty")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected("INVALID_ARGUMENT",
-                                  f"prompt_token_ids: {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if n + p.max_tokens > self.max_model_len:
-            raise RequestRejected(
-                "INVALID_ARGUMENT",
-                f"prompt ({n} tokens) + max_tokens ({p.max_tokens}) exceeds max_model_len ({self.max_model_len})")
-        needed = self._blocks_needed(n + p.max_tokens)
-        if needed > self.kv_cache.num_blocks:
-            raise RequestRejected(
-                "RESOURCE_EXHAUSTED",
-                f"request needs {needed} KV blocks but the cache has only {self.kv_cache.num_blocks}")
+        problem = request_problem(
+            p, req.prompt_token_ids, vocab_size=self.vocab_size,
+            caps=SamplingCaps(max_logprobs=self.config.max_logprobs), max_model_len=self.max_model_len,
+            eos_token_ids=req.eos_token_ids or (), max_num_seqs=self.config.max_num_seqs,
+            kv_cache_tokens=self.kv_cache.num_blocks * self.config.block_size,
+            kv_tokens_needed=self._blocks_needed(len(req.prompt_token_ids) + p.max_tokens) * self.config.block_size)
+        if problem is not None:
+            raise RequestRejected(problem.code, str(problem))
         cap = self.config.max_waiting_requests
         if cap and self.scheduler.num_waiting + p.n > cap:
             raise RequestRejected(

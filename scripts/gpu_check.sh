@@ -6,7 +6,7 @@
 #   2. what the checks import beyond torch (transformers, safetensors, tokenizers, pytest,
 #      pytest-timeout; gguf where the default GGUF model is installed): pip-installed when missing
 #      and reachable, or from wheels carried in .whl/ (no network on the lent GPU machines)
-#   3. tests/test_cuda.py on cuda: HF equality in float32 (token for token) and bfloat16 (within
+#   3. tests/engine/test_cuda.py on cuda: HF equality in float32 (token for token) and bfloat16 (within
 #      rounding), batching, chunked prefill, prefix caching, preemption
 #   4. the engine benchmark on cuda: benchmarks/engine_throughput.py --device cuda when it takes
 #      that flag and the default model is installed; always the engine core at its CUDA defaults
@@ -25,7 +25,7 @@ PY=${PYTHON:-python3}
 RESULTS=${OUT:-results}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export PYTHONPATH="$PWD/common:$PWD/services/engine:$PWD/tests:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/common:$PWD/services/engine:$PWD/tests:$PWD/tests/engine:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 say() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 
 say "GPU"
@@ -65,8 +65,8 @@ if [ -n "$missing" ]; then
 fi
 
 # 3. correctness on CUDA
-say "tests/test_cuda.py"
-timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -o timeout=280 2>&1 | tee "$RESULTS/gpu_check_tests.log"
+say "tests/engine/test_cuda.py"
+timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/engine/test_cuda.py -o timeout=280 2>&1 | tee "$RESULTS/gpu_check_tests.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 # 4. the engine benchmark on CUDA
@@ -80,15 +80,15 @@ timeout 240 "$PY" - "$RESULTS/gpu_check.json" "$TESTS_RC" <<'EOF'
 import json, sys, time
 import torch
 from test_cuda import hf_model, prompt_ids, reference_model
+from tessera_engine.backend_plan import plan_backends
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore
-from tessera_engine.models.loader import load_model
 from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
 
 config = EngineConfig(model=reference_model(), device="cuda", max_model_len=2048, gpu_memory_utilization=0.5)
-dtype, why = config.dtype_choice()
-loaded = load_model(reference_model(), 2048, dtype, torch.device("cuda"))
+plan, loaded = plan_backends(config)  # decided and loaded once; each engine below reuses the weights
+dtype = plan.dtype
 hf = hf_model(dtype)
 eos = hf.config.eos_token_id
 

@@ -31,18 +31,18 @@ def worker_tessera(spec: str) -> None:
 
     import torch
 
+    from tessera_engine.backend_plan import plan_backends
     from tessera_engine.config import EngineConfig
     from tessera_engine.core import EngineCore
-    from tessera_engine.models.loader import load_model
     from tessera_engine.request import EngineCoreRequest
     from tessera_engine.sampling_params import SamplingParams
 
     cfg_in = json.loads(pathlib.Path(spec).read_text())
     config = EngineConfig()
-    dtype, why = config.dtype_choice()
     t = time.perf_counter()
-    loaded = load_model(None, None, dtype, config.resolved_device())
+    plan, loaded = plan_backends(config)  # every engine below reuses the plan's weights
     load_s = time.perf_counter() - t
+    dtype, why = plan.dtype, plan.why["dtype"]
 
     def run(prompts, max_tokens):
         gc.collect()

@@ -92,7 +92,7 @@ from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
 from tessera.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
                         tokenizer_pb2, tokenizer_pb2_grpc)
 from tessera_engine.core import EngineCore  # noqa: E402
-from tessera_engine.models.loader import load_model  # noqa: E402
+from tessera_engine.backend_plan import plan_backends  # noqa: E402
 from tessera_engine.request import EngineCoreRequest  # noqa: E402
 from tessera_engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -534,8 +534,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = engine_config(args, device=args.device)
-    log(f"loading the model in-process ({config.resolved_dtype()}, {config.resolved_device()}) ...")
-    loaded = load_model(args.model, None, config.resolved_dtype(), config.resolved_device())
+    log("loading the model in-process ...")
+    plan, loaded = plan_backends(config)  # every engine below reuses the plan's weights
+    log(f"loaded ({plan.dtype}, {plan.device})")
 
     def new_core() -> EngineCore:
         return EngineCore(config, loaded)

@@ -104,7 +104,7 @@ def prompts():
 def _loaded(dtype: torch.dtype):
     from tessera_engine.models.loader import load_model
 
-    return load_model(reference_model(), 2048, dtype, torch.device(DEVICE))
+    return load_model(reference_model(), 2048, dtype, torch.device(DEVICE), keep_quantized=False)
 
 
 def make_core(dtype: torch.dtype, **overrides):

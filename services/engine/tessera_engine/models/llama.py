@@ -12,7 +12,6 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from tessera_engine.attention import AttentionMetadata, PagedAttention, TorchAttention
 from tessera_engine.models.packed_linear import ONEDNN, PackedWeight

@@ -100,8 +100,9 @@ class LoadedModel(NamedTuple):
 
 def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
                device: torch.device, keep_quantized: bool = True) -> LoadedModel:
-    """keep_quantized: also keep a GGUF file's Q4_0 / Q4_1 / Q8_0 weights as the file has them
-    (models/quantized.py), for the CPU kernels' quantized matmul; CPU only."""
+    """dtype, device, keep_quantized: the backend plan's (backend_plan.py). keep_quantized:
+    also keep the GGUF tensors whose types the CPU kernels take (models/quantized.QTYPES) as
+    the file has them, for their quantized matmul (a CPU plan's choice)."""
     src = resolve_model(model)
     reader = open_gguf(src) if src.gguf_file else None
     hf_config = load_hf_config(src, reader)
@@ -116,7 +117,7 @@ def load_model(model: str | None, max_model_len: int | None, dtype: torch.dtype,
     else:
         net.load_hf_state_dict(_safetensors_tensors(src.directory))
     quantized = {}
-    if src.gguf_file and keep_quantized and device.type == "cpu":
+    if src.gguf_file and keep_quantized:
         quantized = read_gguf_quantized(reader, hf_config)
         net.load_quantized(quantized)
     net = net.to(device=device, dtype=dtype).eval()

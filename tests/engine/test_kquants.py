@@ -1,10 +1,10 @@
 """GGUF K-quants (Q4_K, Q5_K, Q6_K: the types of llama.cpp's Q4_K_M / Q5_K_M files) end to end:
 a tiny random Llama-family model with every dimension a multiple of the 256-weight
-super-block, written by tests/gguf_tiny.py with its linear layers in Q4_K (or Q5_K) and its
+super-block, written by tests/helpers/gguf_tiny.py with its linear layers in Q4_K (or Q5_K) and its
 embedding / untied lm_head in Q6_K, loaded by the engine (the K-quant tensors kept as the file
 has them for the CPU kernels' qlinear / qembedding) and compared token for token with HF's
 greedy generate on the model transformers loads from the same file, in fp32. The kernels
-themselves against gguf-py's dequantization: tests/test_quantized.py."""
+themselves against gguf-py's dequantization: tests/engine/test_quantized.py."""
 from __future__ import annotations
 
 import numpy as np

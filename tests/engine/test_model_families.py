@@ -1,8 +1,8 @@
 """Each Llama-family architecture the loader accepts, built here as a tiny random HF model,
 saved as safetensors (the path a user's HF directory takes) and as GGUF files written as
-llama.cpp would write them (tests/gguf_tiny.py: F32, and Q8_0 / Q4_1 / Q4_0 mixes), loaded by
+llama.cpp would write them (tests/helpers/gguf_tiny.py: F32, and Q8_0 / Q4_1 / Q4_0 mixes), loaded by
 the engine's loader and checked against HF transformers' greedy generate token for token in
-fp32. Mistral's sliding window past its end: tests/test_sliding_window.py."""
+fp32. Mistral's sliding window past its end: tests/engine/test_sliding_window.py."""
 from __future__ import annotations
 
 import pytest
@@ -54,7 +54,7 @@ GGUF_TYPES = {"F32": gguf_tiny.all_f32,
 @pytest.mark.parametrize("weights", list(GGUF_TYPES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_matches_hf_greedy_through_the_gguf_loader(family, weights, tmp_path):
-    """The model above written as llama.cpp would write it (tests/gguf_tiny.py), loaded by our
+    """The model above written as llama.cpp would write it (tests/helpers/gguf_tiny.py), loaded by our
     loader with the quantized kernels (the default: Q4_0 / Q4_1 / Q8_0 tensors kept as the file
     has them for the CPU qlinear / qembedding) and without (keep_quantized=False: transformers'
     dequantized weights only), and checked token for token against HF's greedy generate on

@@ -1,6 +1,6 @@
 """The deploy manifests read as data: the tools (compose, kubectl, kubernetes-validate, hadolint),
-the Dockerfiles, and the containers the compose file and the k8s overlays define (moved from
-tests/test_deploy_manifests.py; test_deploy_netns.py uses them too)."""
+the Dockerfiles, and the containers the compose file and the k8s overlays define (for
+tests/stack/test_deploy_manifests.py and test_deploy_netns.py)."""
 from __future__ import annotations
 
 import concurrent.futures

@@ -1,5 +1,5 @@
 """Small engine requests and a scheduler on a KV pool, for the engine's bookkeeping unit tests
-(split out of the former tests/test_engine_units.py)."""
+(tests/engine/test_scheduler.py, test_kv_cache.py, test_sampler.py)."""
 from __future__ import annotations
 
 from tessera_engine.config import EngineConfig

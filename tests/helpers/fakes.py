@@ -1,5 +1,5 @@
 """Fakes for the frontend's in-process tests: a tokenizer client whose detokenize stream turns
-each token id into a fixed word (moved from tests/test_output_processor.py)."""
+each token id into a fixed word (tests/frontend/test_output_processor.py, test_async_llm.py)."""
 from __future__ import annotations
 
 import asyncio

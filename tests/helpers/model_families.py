@@ -1,6 +1,6 @@
 """Tiny random models of each family the engine runs (HF transformers builds them), the engine's
-and HF's greedy tokens for a few prompts, and HF's model from a GGUF file (moved from
-tests/test_model_families.py; test_kquants.py uses them too)."""
+and HF's greedy tokens for a few prompts, and HF's model from a GGUF file (for tests/engine/
+test_model_families.py and test_kquants.py)."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
 """Streaming requests run through a frontend whose tokenizer is restarted or replaced mid-run
-(moved from tests/test_tokenizer_restart.py; test_tokenizer_replicas.py uses them too)."""
+(for tests/stack/test_tokenizer_restart.py and test_tokenizer_replicas.py)."""
 from __future__ import annotations
 
 from tessera.v1 import common_pb2, frontend_pb2, tokenizer_pb2

@@ -16,7 +16,7 @@ install: $(STAMP)
 
 # Idempotent: reruns only when the requirements, protos or package metadata change.
 $(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/generate.py \
-		services/engine/tessera_engine/csrc/cpu_kernels.cpp
+		$(wildcard services/engine/tessera_engine/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt -r requirements-dev.txt

@@ -34,12 +34,12 @@ from typing import Callable
 
 import grpc
 
-from tessera.common import aio, tls
+from tessera.common import tls
 from tessera.common.flags import add_common_flags, add_flag
-from tessera.common.grpc_server import BindError, GrpcServer
+from tessera.common.grpc_server import GrpcServer, run_service
 from tessera.common.grpc_service import Health
 from tessera.common.heap import freeze_startup_heap
-from tessera.common.logs import client_request_id, setup_logging
+from tessera.common.logs import client_request_id
 from tessera.common.metrics import add_metrics_flag
 from tessera.common.samples import OpenSamples
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -405,10 +405,7 @@ async def serve(args: argparse.Namespace) -> int:
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
     servicer = EngineServicer(config, grpc_server.health, grpc_server.request_stop)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)
-    try:
-        await grpc_server.start(args.host, args.port, args.metrics_port, tls=tls.server_tls(args))
-    except BindError as exc:
-        log.error("%s", exc)
+    if await grpc_server.try_start(args.host, args.port, args.metrics_port, tls=tls.server_tls(args)) is None:
         return 1
 
     load = asyncio.create_task(servicer.load())
@@ -433,12 +430,7 @@ def _report_load_failure(task: asyncio.Task) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    setup_logging("engine", args.log_level)
-    code = aio.run(serve(args), args.event_loop)
-    if code:  # (`python -m tessera_engine` does not pass main's return value on)
-        raise SystemExit(code)
-    return code
+    return run_service("engine", serve, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 The frontend checks a request before it admits it (`tessera_frontend.validation` for both
 of its APIs, `AsyncLLM` for what needs the model once the prompt is tokenized); the engine
-checks it again when it arrives (`SamplingParams.validate`, `EngineCore.check_request`),
-since a client may call the engine directly. Both sides call into this module, so a rule,
+checks it again when it arrives (`EngineCore.check_request`; in-process callers may also use
+`SamplingParams.validate`), since a client may call the engine directly. Both sides call into this module, so a rule,
 its bounds and its message are the same wherever a request is refused.
 
 - `SAMPLING_RANGES`: one row per numeric SamplingParams field, its range (a bound may be

@@ -1,10 +1,10 @@
 """BackendPlan: where and how the engine computes, decided once at engine start.
 
-plan_backends makes every device, dtype and kernel decision, each with its reason, and the
-executor logs the plan once and hands it down: to the loader (dtype, device, whether a GGUF
+plan_backends makes every device, dtype and kernel decision, each with its reason, logs the
+plan once, and the executor hands it down: to the loader (dtype, device, whether a GGUF
 file's quantized blocks are kept), the model runner (attention and op backends), the model's
 layers (how dense weights are packed, the quantized matmul and the batch size up to which
-it runs) and the sampler (the ops). None of them decides again.
+it runs), the sampler (the ops) and the scheduler (the token budget). None of them decides again.
 
 The quantized matmul reads fewer bytes a weight, the dense one computes more efficiently
 per row, so which is faster up to how many rows depends on the CPU, the thread count and

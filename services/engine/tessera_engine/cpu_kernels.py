@@ -1,10 +1,12 @@
-"""tessera's fused CPU kernels (csrc/cpu_kernels.cpp), built on first use.
+"""tessera's fused CPU kernels (csrc/: one .cpp per kernel family, cpu_kernels.h and vec.h
+shared), built on first use into one extension module.
 
 torch.utils.cpp_extension compiles them for the machine they run on (gcc and
 the Python headers; ninja from requirements) into TORCH_EXTENSIONS_DIR
 (default ~/.cache/torch_extensions), once (~30 s): later processes load the
-cached build in well under a second. `python -m tessera_engine.cpu_kernels`
-builds them ahead of time (make install does).
+cached build in well under a second (ninja rebuilds the files that include any
+source or header that changed). `python -m tessera_engine.cpu_kernels` builds
+them ahead of time (make install does).
 
 Built somewhere else (the engine image: built in its builder stage, which has gcc,
 loaded in the runtime stage, which has none), a build for the builder's own CPU
@@ -29,7 +31,7 @@ import threading
 
 log = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_CSRC = pathlib.Path(__file__).with_name("csrc")
 _lock = threading.Lock()
 _modules: dict = {}  # prebuilt path (None: built here) -> module, or None where it failed
 _errors: dict = {}
@@ -118,6 +120,16 @@ def _load_prebuilt(prebuilt: str):
     return module
 
 
+def _sources() -> list[str]:
+    """Every .cpp of csrc/ (one per kernel family, and the bindings): compiled into one module."""
+    return [str(p) for p in sorted(_CSRC.glob("*.cpp"))]
+
+
+def _headers() -> list[str]:
+    """The headers the sources include (csrc/*.h): a change to one rebuilds the module too."""
+    return [str(p) for p in sorted(_CSRC.glob("*.h"))]
+
+
 def _venv_bin_on_path() -> None:
     """ninja comes from the venv (requirements); a venv's python run by path has no
     activated PATH, so put its bin directory first for torch's build step."""
@@ -133,8 +145,10 @@ def _build_variant(name: str, out_dir: str) -> list[pathlib.Path]:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     target = next(v[1] for v in VARIANTS if v[0] == name)
-    # -g0: Python's default CFLAGS ask for debug info (slower builds, 10x bigger modules)
-    ext = CppExtension(f"{_NAME}_{name}", [str(_SOURCE)],
+    # -g0: Python's default CFLAGS ask for debug info (slower builds, 10x bigger modules).
+    # depends: build_ext skips a module already in out_dir that is newer than its sources
+    # and these, so the headers count as its sources do.
+    ext = CppExtension(f"{_NAME}_{name}", _sources(), depends=_headers(),
                        extra_compile_args=["-O3", "-g0", *target, "-fopenmp"], extra_link_args=["-fopenmp"])
     with tempfile.TemporaryDirectory(prefix="tessera-kernels-") as tmp:
         setup(name=f"{_NAME}_{name}", ext_modules=[ext], cmdclass={"build_ext": BuildExtension},
@@ -163,7 +177,9 @@ def _build(prebuilt: str | None):
     _venv_bin_on_path()
     from torch.utils.cpp_extension import load
 
-    return load(name=_NAME, sources=[str(_SOURCE)],
+    # The cached build is ninja's: it recompiles a source when it, or a header it includes
+    # (gcc's dependency files), changes, and relinks the module.
+    return load(name=_NAME, sources=_sources(),
                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                 verbose=os.environ.get("TESSERA_CPU_KERNELS_VERBOSE") == "1")
 

@@ -3,10 +3,10 @@ shared), built on first use into one extension module.
 
 torch.utils.cpp_extension compiles them for the machine they run on (gcc and
 the Python headers; ninja from requirements) into TORCH_EXTENSIONS_DIR
-(default ~/.cache/torch_extensions), once (~30 s): later processes load the
-cached build in well under a second (ninja rebuilds the files that include any
-source or header that changed). `python -m tessera_engine.cpu_kernels` builds
-them ahead of time (make install does).
+(default ~/.cache/torch_extensions), once: later processes load the cached
+build without compiling (ninja rebuilds the files that include any source or
+header that changed). `python -m tessera_engine.cpu_kernels` builds them ahead
+of time (make install does).
 
 Built somewhere else (the engine image: built in its builder stage, which has gcc,
 loaded in the runtime stage, which has none), a build for the builder's own CPU

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (tessera_engine/csrc/cpu_kernels.cpp) against the torch ops they
+"""The fused CPU kernels (tessera_engine/csrc/) against the torch ops they
 replace, in float32 and bfloat16; and the engine with them against the engine without
 them (TESSERA_CPU_KERNELS=0's path) on a small random Llama.
 

@@ -7,7 +7,7 @@ bytes]: blocks of 32 weights with their float16 scales; for the K-quants, super-
 bytes each), put through the same row permutation transformers' reader applies to
 dequantized Llama q/k weights, and named as the HF checkpoint names them. The model keeps
 them beside its dense weights and the CPU kernels dequantize them block by block inside the
-matmul (csrc/cpu_kernels.cpp), so a decode step reads ~0.6-0.8 bytes a weight instead of 2
+matmul (csrc/quantized_matmul.cpp), so a decode step reads ~0.6-0.8 bytes a weight instead of 2
 (bf16) or 4 (fp32).
 """
 from __future__ import annotations

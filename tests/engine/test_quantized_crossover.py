@@ -1,6 +1,7 @@
 """Unit tests of the quantized/dense crossover timing (tessera_engine.quantized_crossover)."""
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -22,7 +23,7 @@ def _pairs(ms_per_row: float, dense_ms: float) -> list[MatmulPair]:
 def test_bisection_finds_the_last_row_count_where_the_quantized_pass_wins():
     rows, timings = qc.measure(_pairs(4.0, 18.0), torch.float32)  # wins up to 4 rows (16 < 18 ms), loses at 6
     assert rows == 4
-    assert all((q < d) == (r <= 4) for r, (q, d) in timings.items())
+    assert all((ratio < 1) == (r <= 4) for r, (_, _, ratio) in timings.items())
     assert len(timings) < len(qc.CANDIDATE_ROWS)  # bisection, not every candidate
 
 
@@ -31,9 +32,15 @@ def test_no_rows_when_the_quantized_pass_loses_at_one_row():
 
 
 def test_a_quiet_measurement_is_cached_and_a_busy_one_is_not(monkeypatch, tmp_path):
+    assert qc.ATTEMPTS == 3
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(qc, "_measured", {})
-    monkeypatch.setattr(qc, "measure", lambda pairs, dtype: (3, {3: (1.0, 2.0)}))
+    answers = iter([3, 6, 2, 3])  # what each timing finds
+
+    def measure(pairs, dtype):
+        return next(answers), {3: (1.0, 2.0, 0.5)}
+
+    monkeypatch.setattr(qc, "measure", measure)
 
     class Model:
         def matmul_pairs(self, qlinear):
@@ -45,9 +52,10 @@ def test_a_quiet_measurement_is_cached_and_a_busy_one_is_not(monkeypatch, tmp_pa
         class dense_packing:
             name = "test"
 
-    busy = iter([0.0, 100.0])  # the machine's busy seconds jump: someone else ran
+    busy = itertools.count(0.0, 100.0)  # the machine's busy seconds jump: someone else runs
     monkeypatch.setattr(qc, "_system_busy_s", lambda: next(busy))
     rows, why = qc.crossover_rows(Model(), Ops(), torch.float32)
+    # timed ATTEMPTS times, busy each time: the middle answer (of 3, 6, 2), not cached
     assert rows == 3 and "not cached" in why and not qc.cache_path().exists()
     assert qc.crossover_rows(Model(), Ops(), torch.float32)[1] == "timed by this process for an earlier engine"
 

@@ -10,6 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tessera.v1 import common_pb2, engine_pb2
 
+from helpers.metrics_util import json_lines
 from helpers.stack import EngineSession, engine_service, health_status, wait_engine_idle
 
 pytestmark = pytest.mark.integration
@@ -20,8 +21,21 @@ MAX_LEN = 512
 
 @pytest.fixture(scope="module")
 def engine():
-    with engine_service("--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_LEN)) as service:
+    # at the default quantized row limit: timed at start (or read from the timing cache)
+    with engine_service("--num-kv-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_LEN), timed_rows=True) as service:
         yield service
+
+
+def test_the_backend_plan_is_logged_once_with_each_decision_and_why(engine):
+    plans = [line for line in json_lines(engine.log_path) if line.get("msg") == "backend plan"]
+    assert len(plans) == 1
+    plan = plans[0]
+    assert plan["device"] == "cpu" and plan["dtype"] == "float32" and plan["token_budget"] == 512
+    assert set(plan["why"]) == {"device", "dtype", "kernels", "dense_matmul", "keep_quantized",
+                                "quantized_max_rows", "token_budget"}
+    if plan["keep_quantized"]:  # the fused kernels built here: the row limit was timed, not set
+        assert "timed" in plan["why"]["quantized_max_rows"], plan["why"]
+        assert plan["quantized_max_rows"] >= 1  # fp32: the quantized matmul is ahead at one row
 
 
 def greedy(max_tokens: int, **kw):

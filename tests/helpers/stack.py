@@ -54,16 +54,25 @@ STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_TEST_STARTUP_TIMEOUT", "300"))
 @dataclasses.dataclass
 class Service(launch.Service):
     """One service process (tessera.launch.Service) with the tests' defaults: a free metrics port
-    of its own, and an engine in float32 unless the environment or the test says otherwise."""
+    of its own, and an engine in float32 with a set quantized row limit unless the environment
+    or the test says otherwise."""
     metrics_port: int | None = dataclasses.field(default_factory=free_port)
+    timed_rows: bool = False  # engine: time the quantized row limit at start, as by default
 
     def environment(self) -> dict[str, str]:
         # Engines under test run in float32 unless a test says otherwise: tests compare a
         # request's text across batch compositions, and bf16 (the default on this CPU) rounds
         # differently in a batch than alone, which flips a near-tie now and then.
         # (The container test runs the images at their defaults.)
-        dtype = {"TESSERA_DTYPE": "float32"} if self.module == "tessera_engine" else {}
-        return {**dtype, **super().environment()}
+        # They also take the quantized matmul up to 64 rows instead of timing where it stops
+        # paying (tests/engine/test_service.py checks the timing): on a machine busy with the
+        # rest of the suite every start would time it again, and the paths would vary.
+        defaults = {}
+        if self.module == "tessera_engine":
+            defaults["TESSERA_DTYPE"] = "float32"
+            if not self.timed_rows:
+                defaults["TESSERA_QUANTIZED_MAX_ROWS"] = "64"
+        return {**defaults, **super().environment()}
 
     def wait_serving(self, deadline: float, timeout_s: float | None = STARTUP_TIMEOUT_S) -> None:
         super().wait_serving(deadline, timeout_s)
@@ -114,11 +123,11 @@ def serving(service: Service):
 
 
 @contextlib.contextmanager
-def engine_service(*flags: str, log_prefix: str = "tessera-engine-"):
-    """An engine process with these flags, SERVING; yields its Service with `stub` (EngineServiceStub)
-    and `channel` set. Its log is engine.log in a new temporary directory."""
+def engine_service(*flags: str, log_prefix: str = "tessera-engine-", **fields):
+    """An engine process with these flags (and Service `fields`), SERVING; yields its Service with
+    `stub` (EngineServiceStub) and `channel` set. Its log is engine.log in a new temporary directory."""
     log = pathlib.Path(tempfile.mkdtemp(prefix=log_prefix)) / "engine.log"
-    service = Service("engine", "tessera_engine", free_port(), list(flags), log)
+    service = Service("engine", "tessera_engine", free_port(), list(flags), log, **fields)
     with serving(service) as channel:
         service.channel = channel
         service.stub = engine_pb2_grpc.EngineServiceStub(channel)

@@ -1,6 +1,7 @@
 """Shared test setup: offline Hugging Face, quiet tokenizers, no metrics port unless a test picks one;
 and the check that every test is exactly one of `unit` / `integration` (tests/README.md)."""
 import os
+import tempfile
 
 import pytest
 
@@ -10,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Service processes started by tests serve no /metrics unless the test gives them a port
 # (tests/helpers/stack.py gives every service a free one), so parallel runs never fight over 9301-9303.
 os.environ.setdefault("TESSERA_METRICS_PORT", "0")
+# The engines' quantized-crossover timings (quantized_crossover.py) go to a cache of the run's
+# own, not the developer's ~/.cache/tessera.
+os.environ.setdefault("TESSERA_CACHE_DIR", tempfile.mkdtemp(prefix="tessera-test-cache-"))
 
 # Fixtures that make any test using them slow (over ~20 s for the first user, or HF equality):
 SLOW_FIXTURES = {

@@ -8,8 +8,9 @@ stack helper and the benchmarks start the services through this module.
 
 A child runs `python -m <module> --port <port> [args]` (behind an optional command prefix such
 as taskset) in a session of its own, so a terminal's Ctrl-C reaches only the parent, which stops
-the children in order; on Linux each child also gets SIGTERM when the parent dies, even by
-SIGKILL, so nothing is left orphaned. Its stdout and stderr go to its log file (appended: a
+the children in order; on Linux each child started with die_with_parent also gets SIGTERM
+when the thread that started it ends (the parent dying, even by SIGKILL, ends it), so nothing
+is left orphaned: start such children from a thread that lives as long as they should. Its stdout and stderr go to its log file (appended: a
 restarted service keeps one log), or, with no log file, its stderr is a pipe of text lines for
 the parent to read (`tessera serve` shows them) and its stdout is discarded.
 """
@@ -83,7 +84,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """In the child: SIGTERM when the parent dies (even by SIGKILL), so nothing is orphaned."""
+    """In the child: SIGTERM when the thread that forked it ends (PR_SET_PDEATHSIG follows the
+    thread, not the process), which the parent's death, even by SIGKILL, does."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 

@@ -36,7 +36,7 @@ from tessera.launch import SERVICE_MODULES
 DEFAULT_PORTS = {"tokenizer": 50052, "engine": 50053, "frontend": 50051}
 DEFAULT_METRICS_PORTS = {"tokenizer": 9302, "engine": 9303, "frontend": 9301}
 # Log lines (service, msg) that mark a step of loading, in their usual order: the progress bar.
-LOAD_STEPS = [("tokenizer", "tokenizer loaded"), ("engine", "dtype chosen"), ("engine", "kv cache allocated"),
+LOAD_STEPS = [("tokenizer", "tokenizer loaded"), ("engine", "backend plan"), ("engine", "kv cache allocated"),
               ("engine", "warmed up"), ("engine", "engine ready"), ("frontend", "health changed")]
 EXIT_FAILED = 1
 

@@ -57,6 +57,9 @@ class Service(launch.Service):
     of its own, and an engine in float32 with a set quantized row limit unless the environment
     or the test says otherwise."""
     metrics_port: int | None = dataclasses.field(default_factory=free_port)
+    # tests restart services from worker threads (test_soak): a child tied to the thread that
+    # started it would get SIGTERM when that thread ends; the test session stops them itself
+    die_with_parent: bool = False
     timed_rows: bool = False  # engine: time the quantized row limit at start, as by default
 
     def environment(self) -> dict[str, str]:

@@ -133,6 +133,11 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
 
     if loaded is None:
         loaded = load_model(config.model, config.max_model_len, dtype, device, keep_quantized=keep)
+    else:
+        weight = loaded.model.embed_tokens.weight
+        if weight.dtype != dtype or weight.device.type != device.type:
+            raise ValueError(f"the model given is {weight.dtype} on {weight.device.type}; this engine's plan "
+                             f"is {dtype} on {device.type}")
     loaded.model.pack_dense(ops.dense_packing)
 
     if not keep:

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 REPEATS = 7
+MIN_REPEATS = 3
+REPEAT_BUDGET_S = 0.3  # past MIN_REPEATS, no more repeats once a row count has taken this long
 ATTEMPTS = 3  # timings on a busy machine are taken again, up to this many times in all
 CACHE_FILE = "quantized_max_rows.json"
 # other processes' CPU use during the timing, in cores, past which the answer is used for this
@@ -53,17 +55,28 @@ def cache_path() -> pathlib.Path:
     return pathlib.Path(xdg) / "tessera" / CACHE_FILE
 
 
-def cache_key(pairs, dtype: torch.dtype, packing: str) -> str:
+def _build_id(kernels) -> str:
+    """Which build of the kernels (a rebuild or another variant times anew)."""
+    path = getattr(kernels, "__file__", None)
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError):
+        return "none"
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def cache_key(pairs, dtype: torch.dtype, packing: str, kernels=None) -> str:
     shapes = sorted(p.signature for p in pairs)
-    digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:16]
+    digest = hashlib.sha1(repr((shapes, _build_id(kernels))).encode()).hexdigest()[:16]
     return f"{cpu_model()}|threads={torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|{packing}|{digest}"
 
 
 def _read_cache() -> dict:
     try:
-        return json.loads(cache_path().read_text())
+        table = json.loads(cache_path().read_text())
     except (OSError, ValueError):
         return {}
+    return table if isinstance(table, dict) else {}
 
 
 def _write_cache(key: str, entry: dict) -> None:
@@ -108,7 +121,9 @@ def _quantized_wins(pairs, rows: int, dtype: torch.dtype, timings: dict) -> bool
     quantized, dense = [p.quantized for p in pairs], [p.dense for p in pairs]
     _pass_time(quantized, inputs), _pass_time(dense, inputs)  # first use of this shape: kernel setup
     qs, ds = [], []
-    for i in range(REPEATS):  # which goes first alternates
+    for i in range(REPEATS):  # which goes first alternates; long passes (many rows) repeat less
+        if i >= MIN_REPEATS and sum(qs) + sum(ds) > REPEAT_BUDGET_S:
+            break
         if i % 2:
             ds.append(_pass_time(dense, inputs))
             qs.append(_pass_time(quantized, inputs))
@@ -140,7 +155,7 @@ def measure(pairs, dtype: torch.dtype) -> tuple[int, dict]:
 def crossover_rows(model, ops, dtype: torch.dtype) -> tuple[int, str]:
     """quantized_max_rows for this model on this machine, and why (measured now, or cached)."""
     pairs = model.matmul_pairs(ops.qlinear)
-    key = cache_key(pairs, dtype, ops.dense_packing.name)
+    key = cache_key(pairs, dtype, ops.dense_packing.name, getattr(ops, "kernels", None))
     if key in _measured:
         return _measured[key], "timed by this process for an earlier engine"
     cached = _read_cache().get(key)

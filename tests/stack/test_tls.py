@@ -32,7 +32,7 @@ class _Secure(Service):
     """A Service whose readiness is asked over TLS (with the client certificate)."""
     credentials: grpc.ChannelCredentials | None = None
 
-    def wait_serving(self, deadline: float) -> None:
+    def wait_serving(self, deadline: float, timeout_s: float | None = None) -> None:
         with grpc.secure_channel(self.addr, self.credentials) as channel:
             while True:
                 code = self.process.poll()

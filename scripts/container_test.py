@@ -37,9 +37,9 @@ import urllib.request
 
 import grpc
 
+from tessera.launch import free_port  # never the same port twice
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT))
-from tests.stack import free_port  # noqa: E402  (never the same port twice)
 
 BUDGET_S = float(os.environ.get("TESSERA_CONTAINER_TEST_TIMEOUT", "1200"))
 KEEP = os.environ.get("TESSERA_CONTAINER_KEEP") == "1"

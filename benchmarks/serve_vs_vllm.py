@@ -22,6 +22,9 @@ other starts; --rounds rounds, the order alternating; all cores, no pinning):
   vllm     `vllm serve <hf dir>` with its defaults, with the settings best found on this
            machine: VLLM_CPU_KVCACHE_SPACE=4, VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>,
            VLLM_CPU_NUM_OF_RESERVED_CPU=0, LD_PRELOAD=tcmalloc + the venv's libiomp5.so
+  llama-server  (with --servers ...,llama-server) llama.cpp's server on the same GGUF file as
+           tessera, built once for this CPU by peers/llama_server.py, with --parallel 64
+           -c 32768 --cont-batching, one thread per core; ratios *_vs_llama_server
 
 Client: `tessera bench`'s (tessera.bench.backends.OpenAIBackend over httpx2), streaming chat
 completions, temperature 0, ignore_eos (an extra body field both servers accept),
@@ -72,7 +75,7 @@ from common import environment, log, questions  # noqa: E402
 from inprocess import agreement, run_inprocess, worker_tessera  # noqa: E402
 from measure import measure_server  # noqa: E402
 from peers import cache_dir, hf_dir, tcmalloc, vllm_cpu  # noqa: E402
-from servers import TesseraServer, VllmServer  # noqa: E402
+from servers import LlamaServer, TesseraServer, VllmServer  # noqa: E402
 
 from tessera.bench.metrics import median  # noqa: E402
 
@@ -89,7 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128, help="batch: output tokens per request")
     ap.add_argument("--single-tokens", type=int, default=256, help="single: output tokens")
     ap.add_argument("--single-runs", type=int, default=3, help="single: requests per server start, one at a time")
-    ap.add_argument("--servers", default="tessera,vllm", help="which servers to measure (default both)")
+    ap.add_argument("--servers", default="tessera,vllm",
+                    help="which servers to measure, of tessera, vllm and llama-server (llama.cpp's server on the "
+                         "same GGUF file, built once by peers/llama_server.py; default: tessera,vllm)")
     ap.add_argument("--skip-inprocess", action="store_true", help="skip the in-process engines")
     ap.add_argument("--skip-install", action="store_true",
                     help="never install: use the vLLM venv, tcmalloc and HF directory as they are")
@@ -114,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.vllm_venv = pathlib.Path(args.vllm_venv).expanduser() if args.vllm_venv else cache / "vllm-venv"
     args.hf_dir = pathlib.Path(args.hf_dir).expanduser() if args.hf_dir else cache / HF_DIR_NAME
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    bad = [s for s in args.servers if s not in ("tessera", "vllm")]
+    bad = [s for s in args.servers if s not in ("tessera", "vllm", "llama-server")]
     if bad:
         ap.error(f"unknown server(s) {bad}")
     return args
@@ -158,6 +163,14 @@ def main(argv=None) -> int:
     env = None
     if "vllm" in args.servers or not args.skip_inprocess:
         install, env = provision_vllm(args)
+    llama_binary = gguf = None
+    if "llama-server" in args.servers:
+        from peers import llama_server
+        from tessera.common.model_source import resolve_model
+
+        llama_binary = llama_server.ensure_llama_server()
+        gguf = str(resolve_model(None).path)  # the file tessera serves by default
+        install["llama_server"] = {"binary": str(llama_binary), "gguf": gguf}
 
     n = args.concurrency
     everything = questions(4 * 64 if n <= 64 else 4 * n)
@@ -183,8 +196,12 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         order = list(args.servers) if r % 2 == 0 else list(reversed(args.servers))
         for name in order:
-            server = (TesseraServer(args.startup_timeout) if name == "tessera"
-                      else VllmServer(args.startup_timeout, args.vllm_venv, args.hf_dir, env))
+            if name == "tessera":
+                server = TesseraServer(args.startup_timeout)
+            elif name == "llama-server":
+                server = LlamaServer(args.startup_timeout, llama_binary, gguf)
+            else:
+                server = VllmServer(args.startup_timeout, args.vllm_venv, args.hf_dir, env)
             res = measure_server(server, args.wait_quiet, batch_q, warm_q, single_q, args.max_tokens,
                                  args.single_tokens)
             res["round"] = r
@@ -220,7 +237,7 @@ def main(argv=None) -> int:
                 "batch_tokens_per_s": median(x["batch"]["tokens_per_s"] for x in inproc[side]),
                 "single_tokens_per_s": median(x["single"]["tokens_per_s"] for x in inproc[side]),
                 "dtype": inproc[side][0]["dtype"]}
-    t, v = summary.get("tessera", {}), summary.get("vllm", {})
+    t, v, lc = summary.get("tessera", {}), summary.get("vllm", {}), summary.get("llama-server", {})
     ratios = {
         "engine_ratio_vs_vllm": _ratio(summary.get("tessera_inprocess", {}).get("batch_tokens_per_s"),
                                        summary.get("vllm_inprocess", {}).get("batch_tokens_per_s")),
@@ -228,12 +245,18 @@ def main(argv=None) -> int:
         "ttft_ratio_vs_vllm": _ratio(t.get("batch_ttft_median_s"), v.get("batch_ttft_median_s")),
         "serve_ratio_vs_vllm": _ratio(t.get("batch_tokens_per_s"), v.get("batch_tokens_per_s")),
     }
+    if lc:
+        ratios.update({
+            "single_ratio_vs_llama_server": _ratio(t.get("single_tokens_per_s"), lc.get("single_tokens_per_s")),
+            "ttft_ratio_vs_llama_server": _ratio(t.get("batch_ttft_median_s"), lc.get("batch_ttft_median_s")),
+            "serve_ratio_vs_llama_server": _ratio(t.get("batch_tokens_per_s"), lc.get("batch_tokens_per_s")),
+        })
     if inproc["tessera"] and inproc["vllm"]:
         summary["inprocess_greedy_agreement"] = agreement(inproc["tessera"][-1]["batch"]["_tokens"],
                                                            inproc["vllm"][-1]["batch"]["_tokens"])
     prompt_lengths = {name: runs[name][0]["batch"]["prompt_tokens"] for name in args.servers}
-    if len(prompt_lengths) == 2 and prompt_lengths["tessera"] != prompt_lengths["vllm"]:
-        log("WARNING: the two servers counted different prompt tokens for the same chats")
+    if len(set(map(tuple, prompt_lengths.values()))) > 1:
+        log("WARNING: the servers counted different prompt tokens for the same chats")
 
     def strip(x):
         if isinstance(x, dict):
@@ -288,7 +311,7 @@ def main(argv=None) -> int:
             print(f"in-process {side:8s} r{x['round']}: batch {x['batch']['tokens_per_s']:7.1f} tok/s  "
                   f"single {x['single']['tokens_per_s']:6.1f} tok/s  ({x['dtype']})")
     print(f"results: {out} (total {results['total_s']:.0f} s)")
-    for k in ("engine_ratio_vs_vllm", "single_ratio_vs_vllm", "ttft_ratio_vs_vllm", "serve_ratio_vs_vllm"):
+    for k in ratios:
         print(f"{k}={_fmt(ratios[k])}")
     return 0
 

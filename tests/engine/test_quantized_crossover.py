@@ -53,14 +53,14 @@ def test_a_quiet_measurement_is_cached_and_a_busy_one_is_not(monkeypatch, tmp_pa
             name = "test"
 
     busy = itertools.count(0.0, 100.0)  # the machine's busy seconds jump: someone else runs
-    monkeypatch.setattr(qc, "_system_busy_s", lambda: next(busy))
+    monkeypatch.setattr(qc, "system_busy_s", lambda: next(busy))
     rows, why = qc.crossover_rows(Model(), Ops(), torch.float32)
     # timed ATTEMPTS times, busy each time: the middle answer (of 3, 6, 2), not cached
     assert rows == 3 and "not cached" in why and not qc.cache_path().exists()
     assert qc.crossover_rows(Model(), Ops(), torch.float32)[1] == "timed by this process for an earlier engine"
 
     monkeypatch.setattr(qc, "_measured", {})
-    monkeypatch.setattr(qc, "_system_busy_s", lambda: 0.0)
+    monkeypatch.setattr(qc, "system_busy_s", lambda: 0.0)
     rows, why = qc.crossover_rows(Model(), Ops(), torch.float32)
     assert rows == 3 and "cached" in why
     table = json.loads(qc.cache_path().read_text())

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from tessera.common.cpu_load import system_busy_s
+
 log = logging.getLogger(__name__)
 
 CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -90,17 +92,6 @@ def _write_cache(key: str, entry: dict) -> None:
         tmp.replace(path)
     except OSError as exc:  # a read-only home: measured again next start
         log.warning("quantized crossover not cached", extra={"path": str(path), "error": str(exc)})
-
-
-def _system_busy_s() -> float | None:
-    """CPU seconds the whole machine has spent busy (all CPUs), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system [idle iowait] irq softirq steal
-    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _pass_time(fns, inputs) -> float:
@@ -185,9 +176,9 @@ def crossover_rows(model, ops, dtype: torch.dtype) -> tuple[int, str]:
 
 def _timed_measure(pairs, dtype: torch.dtype) -> tuple[int, dict, float | None]:
     """measure(), and the other processes' CPU use meanwhile, in cores (None: unknown)."""
-    t0, busy0, own0 = time.perf_counter(), _system_busy_s(), time.process_time()
+    t0, busy0, own0 = time.perf_counter(), system_busy_s(), time.process_time()
     rows, timings = measure(pairs, dtype)
     wall = time.perf_counter() - t0
-    busy1, own1 = _system_busy_s(), time.process_time()
+    busy1, own1 = system_busy_s(), time.process_time()
     foreign = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
     return rows, timings, foreign

@@ -2,9 +2,10 @@
 
 The frontend checks a request before it admits it (`tessera_frontend.validation` for both
 of its APIs, `AsyncLLM` for what needs the model once the prompt is tokenized); the engine
-checks it again when it arrives (`EngineCore.check_request`; in-process callers may also use
-`SamplingParams.validate`), since a client may call the engine directly. Both sides call into this module, so a rule,
-its bounds and its message are the same wherever a request is refused.
+checks it again when it arrives (`EngineCore.check_request`; in-process callers may also
+use `SamplingParams.validate`), since a client may call the engine directly. Both sides
+call into this module, so a rule, its bounds and its message are the same wherever a
+request is refused.
 
 - `SAMPLING_RANGES`: one row per numeric SamplingParams field, its range (a bound may be
   a server cap of `SamplingCaps`, or another field), read by `sampling_problem`;
@@ -191,19 +192,9 @@ def request_problem(params: Any, prompt_token_ids: Sequence[int], *, vocab_size:
     + max_tokens; an engine with a sliding window needs less, rounded up to its blocks)
     at most `kv_cache_tokens` (None: not checked), else `kv_full_code`. Every other problem
     is INVALID_ARGUMENT. `params` is what `sampling_problem` takes; max_tokens and n absent
-    (a wire message without defaults) skip the checks that need them.
-
-    The engine (EngineCore.check_request) calls it as
-
-        request_problem(p, req.prompt_token_ids, vocab_size=self.vocab_size,
-                        caps=SamplingCaps(max_logprobs=self.config.max_logprobs),
-                        max_model_len=self.max_model_len, eos_token_ids=req.eos_token_ids or (),
-                        max_num_seqs=self.config.max_num_seqs,
-                        kv_cache_tokens=self.kv_cache.num_blocks * self.config.block_size,
-                        kv_tokens_needed=self._blocks_needed(len(req.prompt_token_ids) + p.max_tokens)
-                                         * self.config.block_size)
-
-    and raises RequestRejected(problem.code, str(problem)) on a problem.
+    (a wire message without defaults) skip the checks that need them. The callers:
+    EngineCore.check_request (with its caps, KV pool and sliding window) and AsyncLLM's
+    prompt check (a KV cache too small is INVALID_ARGUMENT there).
     """
     values = present_values(params)
     problem = _sampling_problem(values, caps)

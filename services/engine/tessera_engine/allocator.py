@@ -1,10 +1,10 @@
 """The engine process's memory allocator: tcmalloc where the machine has it, else glibc's.
 
 Every torch op of every step allocates its output and frees its inputs' temporaries; with
-glibc's malloc that churn costs a measurable share of served throughput and of a lone
-request's decode speed, which tcmalloc wins back (figures in the commit that made it the
-default, c.f. benchmarks/README). vLLM's CPU backend gives the same advice. An allocator replaces malloc only when it is loaded before the
-process starts, so `python -m tessera_engine` (and the tessera-engine command) re-executes
+glibc's malloc that churn cost a measurable share of served throughput and of a lone
+request's decode speed, which tcmalloc won back when measured. vLLM's CPU backend gives
+the same advice. An allocator replaces malloc only when it is loaded before the process
+starts, so `python -m tessera_engine` (and the tessera-engine command) re-executes
 itself once with the library in LD_PRELOAD, before torch is imported: same PID, same
 arguments. `--allocator` / TESSERA_ALLOCATOR: auto (tcmalloc when found, the default),
 tcmalloc (required: exit 2 when missing), system (glibc's).

@@ -288,8 +288,8 @@ class CpuKernelAttention(TorchAttention):
 
         The decode kernel reads each query row's context straight from the cache blocks, so a
         chunk needs no padding, no mask and no gather, which measured faster than the padded
-        SDPA groups for short chunks and for one long causal prompt alike. The chunks follow the decodes in the
-        flat batch, in order (the model runner lays the batch out so).
+        SDPA groups for short chunks and for one long causal prompt alike. The chunks follow
+        the decodes in the flat batch, in order (the model runner lays the batch out so).
         """
         bs = self.block_size
         # With a sliding window, each table starts at the block of the first position any of its

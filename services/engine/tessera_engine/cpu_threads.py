@@ -6,7 +6,7 @@ engine shares the cores with the frontend, the tokenizer and the clients; left t
 two of the team's threads can land on one core, and each region then waits a scheduler
 time slice for the thread that is not running. One thread per CPU keeps them apart, as
 vLLM's CPU backend does by default (VLLM_CPU_OMP_THREADS_BIND=auto); served, it measured
-ahead in throughput and TTFT (the commit that made it the default has the figures).
+ahead in throughput and TTFT.
 
 Modes:
 - "auto": bind when the team fills the CPUs this process may use (one thread per CPU, or

@@ -149,8 +149,9 @@ class ModelRunner:
 
         A step's first use of a batch shape pays for creating its matmul kernels (oneDNN) and
         for growing the allocator's arenas; the first full step took over twice as long as
-        later ones, which fell on the first burst's time to first token. Only called while no request holds a block: the K/V written here land in blocks
-        that a request writes before it reads them.
+        later ones, which fell on the first burst's time to first token. Only called while no
+        request holds a block: the K/V written here land in blocks that a request writes
+        before it reads them.
         """
         bs = self.block_size
         num_blocks = self.kv_caches[0][0].shape[0] // bs

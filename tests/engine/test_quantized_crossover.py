@@ -43,11 +43,11 @@ def test_a_quiet_measurement_is_cached_and_a_busy_one_is_not(monkeypatch, tmp_pa
     monkeypatch.setattr(qc, "measure", measure)
 
     class Model:
-        def matmul_pairs(self, qlinear):
+        def matmul_pairs(self):
             return _pairs(1.0, 1.0)
 
     class Ops:
-        qlinear = None
+        quantized_matmul = "exact"
 
         class dense_packing:
             name = "test"

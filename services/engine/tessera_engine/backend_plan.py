@@ -66,6 +66,26 @@ def choose_token_budget(setting: int | None, device: torch.device) -> tuple[int,
     return 512, "CPU default: prefill is compute-bound, smaller steps start streams sooner"
 
 
+def choose_quantized_matmul(setting: str, dtype: torch.dtype, kernels) -> tuple[bool, str]:
+    """Whether the quantized matmul runs on int8 dot products (activations quantized per 32-value
+    block, as llama.cpp does; Q4_0 / Q4_1 / Q8_0 weights) rather than exactly (each block
+    dequantized to the activations' dtype). auto: int8 for bfloat16 activations, whose own
+    rounding is of the same order, where this build has AVX512-VNNI; exact for float32, the
+    dtype outputs are checked against HF transformers in."""
+    available = kernels is not None and getattr(kernels, "int8_matmul_available", lambda: False)()
+    if setting == "exact":
+        return False, "set by --quantized-matmul"
+    if setting == "int8":
+        if available:
+            return True, "set by --quantized-matmul"
+        return False, "exact: --quantized-matmul int8 asks for AVX512-VNNI kernels, which this build lacks"
+    if dtype != torch.bfloat16:
+        return False, f"auto: exact in {str(dtype).removeprefix('torch.')}, the reference dtype"
+    if not available:
+        return False, "auto: exact, this build of the kernels has no AVX512-VNNI"
+    return True, "auto: bfloat16 activations; int8 dot products on AVX512-VNNI"
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendPlan:
     device: torch.device
@@ -74,6 +94,7 @@ class BackendPlan:
     ops: TorchOps               # norms, activations, argmax; the quantized matmul and embedding
     dense_matmul: str           # bf16 on CPU: the ops' prepacked matmul (brgemm, onednn); else torch
     keep_quantized: bool        # a GGUF file's quantized blocks are kept beside the dense weights
+    quantized_matmul: str       # how they are multiplied: int8, exact (ops.quantized_path), none
     quantized_max_rows: int     # layers with quantized blocks run them up to this many rows (0: never)
     token_budget: int           # tokens one step may compute
     why: types.MappingProxyType  # each decision's reason, by name
@@ -90,7 +111,8 @@ class BackendPlan:
     def describe(self) -> dict:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "attention": self.attention_name, "ops": self.ops.name, "dense_matmul": self.dense_matmul,
-                "keep_quantized": self.keep_quantized, "quantized_max_rows": self.quantized_max_rows,
+                "keep_quantized": self.keep_quantized, "quantized_matmul": self.quantized_matmul,
+                "quantized_max_rows": self.quantized_max_rows,
                 "token_budget": self.token_budget,
                 "why": dict(self.why)}
 
@@ -113,7 +135,8 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
     else:
         kernels = cpu_kernels.load(config.cpu_kernels_prebuilt)
         why["kernels"] = "fused CPU kernels" if kernels is not None else "torch ops: the fused CPU kernels did not load"
-    ops = CpuKernelOps(kernels) if kernels is not None else TorchOps()
+    int8, why["quantized_matmul"] = choose_quantized_matmul(config.quantized_matmul, dtype, kernels)
+    ops = CpuKernelOps(kernels, int8) if kernels is not None else TorchOps()
     if device.type == "cpu" and config.cpu_threads_bind != "off":
         cpu_threads.bind(config.cpu_threads_bind, kernels)
 
@@ -139,6 +162,10 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
             raise ValueError(f"the model given is {weight.dtype} on {weight.device.type}; this engine's plan "
                              f"is {dtype} on {device.type}")
     loaded.model.pack_dense(ops.dense_packing)
+    if keep:
+        loaded.model.prepare_quantized(ops)
+    else:
+        why["quantized_matmul"] = "no quantized blocks kept"
 
     if not keep:
         rows, why["quantized_max_rows"] = 0, "no quantized blocks kept"
@@ -150,6 +177,7 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
         rows, why["quantized_max_rows"] = crossover_rows(loaded.model, ops, dtype)
 
     budget, why["token_budget"] = choose_token_budget(config.max_num_batched_tokens, device)
-    plan = BackendPlan(device, dtype, kernels, ops, dense, keep, rows, budget, types.MappingProxyType(why))
+    plan = BackendPlan(device, dtype, kernels, ops, dense, keep, ops.quantized_matmul if keep else "none", rows,
+                       budget, types.MappingProxyType(why))
     log.info("backend plan", extra=plan.describe())
     return plan, loaded

@@ -13,6 +13,7 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZED_MATMULS = ("auto", "int8", "exact")
 
 
 @dataclasses.dataclass
@@ -53,6 +54,10 @@ class EngineConfig:
     # batches up to this many rows run a layer with quantized blocks on the quantized matmul,
     # larger ones on the dense weights (0: never); None: timed at start (quantized_crossover.py)
     quantized_max_rows: int | None = None
+    # how that quantized matmul computes: exact (each block dequantized to the activations'
+    # dtype, bit for bit the dequantized weights), int8 (activations quantized to int8 per
+    # 32-value block, integer dot products: llama.cpp's method) or auto (backend_plan)
+    quantized_matmul: str = "auto"
 
     def validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -61,6 +66,9 @@ class EngineConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if self.quantized_max_rows is not None and self.quantized_max_rows < 0:
             raise ValueError("quantized_max_rows must be >= 0")
+        if self.quantized_matmul not in QUANTIZED_MATMULS:
+            raise ValueError(f"quantized_matmul must be one of {', '.join(QUANTIZED_MATMULS)}, "
+                             f"not {self.quantized_matmul!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:

@@ -12,7 +12,7 @@ Built somewhere else (the engine image: built in its builder stage, which has gc
 loaded in the runtime stage, which has none), a build for the builder's own CPU
 (-march=native) would die of an illegal instruction on a node without the builder's
 instruction sets. So `--variants DIR` builds one module per x86-64 level
-(VARIANTS: AVX-512 with BF16, AVX-512, AVX2, baseline; the baseline alone on other
+(VARIANTS: AVX-512 with BF16 and VNNI, AVX-512, AVX2, baseline; the baseline alone on other
 architectures) without loading any, and TESSERA_CPU_KERNELS_PREBUILT=DIR loads the
 most capable one whose instruction sets this CPU has (/proc/cpuinfo's flags).
 TESSERA_CPU_KERNELS_PREBUILT=<file> loads that one module file as it is.
@@ -48,7 +48,7 @@ _X86_V4 = _X86_V3 | {"avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"}
 # /proc/cpuinfo flags a CPU must have to run it. "generic" is the compiler's default
 # target (the architecture's baseline: the kernels' scalar paths).
 VARIANTS: tuple[tuple[str, tuple[str, ...], frozenset[str]], ...] = (
-    ("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), _X86_V4 | {"avx512_bf16"}),
+    ("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"), _X86_V4 | {"avx512_bf16", "avx512_vnni"}),
     ("avx512", ("-march=x86-64-v4",), _X86_V4),
     ("avx2", ("-march=x86-64-v3",), _X86_V3),
     ("generic", (), frozenset()),

@@ -179,6 +179,19 @@ class ModelRunner:
         times["decode_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         return times
 
+    @torch.inference_mode()
+    def last_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """One prompt's next-token logits [vocab], computed alone in one chunk outside any step
+        (accuracy checks: tests and benchmarks compare backends on it). Only while no request
+        holds a block: it writes K/V from block 0 on."""
+        n = len(token_ids)
+        positions = torch.arange(n, dtype=torch.long, device=self.device)
+        table = list(range(-(-n // self.block_size)))
+        meta = self.attention.build_metadata(positions.clone(), positions, [], [PrefillChunk(0, 0, n, table)])
+        hidden = self.model(torch.tensor(token_ids, dtype=torch.long, device=self.device), positions,
+                            self.kv_caches, meta)
+        return self.model.compute_logits(hidden[-1:])[0]
+
     def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, s: ScheduledSample
                          ) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. (predicted by this chunk's positions)."""

@@ -8,10 +8,26 @@ hands it to the model's layers and the sampler.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from tessera_engine.models.packed_linear import ONEDNN, BrgemmPacking
+from tessera_engine.models.quantized import GGUF, INT8_X16, QuantizedWeight
+
+INT8_QTYPES = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0: the types the int8 matmul takes
+
+
+class QuantizedPath(NamedTuple):
+    """How one quantized weight is used: in the layout its kernels read, and those kernels."""
+    weight: QuantizedWeight
+    linear: Callable     # (x [M, K], weight.data, qtype, bias) -> [M, N]
+    embedding: Callable  # (ids [T], weight.data, qtype, K, dtype) -> [T, K]
+
+    @property
+    def name(self) -> str:
+        return self.weight.type_name + (" int8" if self.weight.layout == INT8_X16 else "")
 
 
 class TorchOps:
@@ -19,6 +35,11 @@ class TorchOps:
     dense_packing = ONEDNN  # how bf16 CPU linear weights are packed and multiplied (models/packed_linear.py)
     qlinear = None     # (x [M, K], quantized weight bytes, ggml type, bias) -> [M, N]; None: dense only
     qembedding = None  # (ids [T], quantized table bytes, ggml type, K, dtype) -> [T, K]
+    quantized_matmul = "none"  # how the quantized matmul computes: exact, int8 (CpuKernelOps)
+
+    def quantized_path(self, weight: QuantizedWeight) -> QuantizedPath | None:
+        """The layout and kernels for a checkpoint's quantized weight; None: none here."""
+        return None
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,11 +66,29 @@ class TorchOps:
 class CpuKernelOps(TorchOps):
     name = "cpu_kernels"
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, int8: bool = False) -> None:
+        """int8: Q4_0 / Q4_1 / Q8_0 weights repacked for the int8 matmul (the backend plan asks
+        for it only where this build has it, kernels.int8_matmul_available()); else, and for the
+        other types, the exact one."""
         self.kernels = kernels
         self.qlinear = kernels.qlinear
         self.qembedding = kernels.qembedding
+        self.int8 = int8
+        self.quantized_matmul = "int8" if int8 else "exact"
         self.dense_packing = BrgemmPacking.checked(kernels) or ONEDNN
+
+    def quantized_path(self, weight: QuantizedWeight) -> QuantizedPath:
+        k = self.kernels
+        if weight.layout == INT8_X16:  # a model already prepared by an earlier engine's plan
+            if not self.int8:
+                raise ValueError("the model's quantized weights are repacked for the int8 matmul; "
+                                 "this engine's plan is the exact one")
+            return QuantizedPath(weight, k.qlinear_i8, k.qembedding_i8)
+        if self.int8 and weight.qtype in INT8_QTYPES and weight.data.shape[0] % 16 == 0:
+            packed = k.qrepack_i8(weight.data, weight.qtype, weight.in_features)
+            return QuantizedPath(QuantizedWeight(packed, weight.qtype, INT8_X16), k.qlinear_i8, k.qembedding_i8)
+        assert weight.layout == GGUF
+        return QuantizedPath(weight, k.qlinear, k.qembedding)
 
     # activations and weights share the plan's dtype (the model is built in it)
     def rms_norm(self, x, weight, eps):

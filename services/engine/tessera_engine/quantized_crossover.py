@@ -145,8 +145,8 @@ def measure(pairs, dtype: torch.dtype) -> tuple[int, dict]:
 
 def crossover_rows(model, ops, dtype: torch.dtype) -> tuple[int, str]:
     """quantized_max_rows for this model on this machine, and why (measured now, or cached)."""
-    pairs = model.matmul_pairs(ops.qlinear)
-    key = cache_key(pairs, dtype, ops.dense_packing.name, getattr(ops, "kernels", None))
+    pairs = model.matmul_pairs()
+    key = cache_key(pairs, dtype, f"{ops.dense_packing.name}|{ops.quantized_matmul}", getattr(ops, "kernels", None))
     if key in _measured:
         return _measured[key], "timed by this process for an earlier engine"
     cached = _read_cache().get(key)

@@ -365,6 +365,11 @@ def parse_args(argv=None) -> argparse.Namespace:
              help="GGUF on CPU: batches up to this many rows run a layer's quantized blocks on the quantized "
                   "matmul, larger ones its dense weights (0: never; default: timed at first start on this "
                   "CPU and model, then cached)")
+    add_flag(p, "--quantized-matmul", "TESSERA_QUANTIZED_MATMUL", "auto", choices=["auto", "int8", "exact"],
+             help="GGUF on CPU: how the quantized matmul computes: int8 (activations quantized to int8 per "
+                  "32-value block, integer dot products on AVX512-VNNI, as llama.cpp; Q4_0, Q4_1, Q8_0 "
+                  "weights), exact (each block dequantized to the activations' dtype), auto (int8 in "
+                  "bfloat16 where the kernels have VNNI, exact in float32)")
     add_flag(p, "--allocator", allocator.ENV, "auto", choices=list(allocator.CHOICES),
              help="memory allocator: tcmalloc when found (auto), tcmalloc (required) or system (glibc); "
                   "the engine re-executes itself once to preload it")
@@ -393,7 +398,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         idle_batch_wait_ms=args.idle_batch_wait_ms, seed=args.seed, num_threads=args.num_threads,
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
-        gguf_dequantize=args.gguf_dequantize, quantized_max_rows=args.quantized_max_rows)
+        gguf_dequantize=args.gguf_dequantize, quantized_max_rows=args.quantized_max_rows,
+        quantized_matmul=args.quantized_matmul)
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -20,6 +20,9 @@
 //   elementwise.cpp       RMSNorm (+ residual add), SwiGLU, rotary + K/V cache write, argmax
 //   quantized_matmul.cpp  GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K):
 //                         matmul, embedding rows, dequantize
+//   int8_matmul.cpp       the same matmul for a few rows on int8 dot products (AVX512-VNNI),
+//                         activations quantized per block, Q4_0 / Q4_1 / Q8_0 weights repacked
+//   gguf_blocks.h         the GGUF block types, sizes and exact dequantization both read
 //   dense_matmul.cpp      bfloat16 matmul on oneDNN's brgemm micro-kernel
 //   threads.cpp           binding the OpenMP team's threads to CPUs
 //   bindings.cpp          the Python module (pybind11)
@@ -53,6 +56,12 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& wq, int64_t qt, const c10::optional<at::Tensor>& bias);
 at::Tensor qembedding(const at::Tensor& ids, const at::Tensor& wq, int64_t qt, int64_t K, at::ScalarType dtype);
 at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K);
+
+// int8_matmul.cpp
+bool int8_matmul_available();
+at::Tensor qrepack_i8(const at::Tensor& wq, int64_t qt, int64_t K);
+at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, const c10::optional<at::Tensor>& bias);
+at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt, int64_t K, at::ScalarType dtype);
 
 // dense_matmul.cpp
 at::Tensor pack_bf16_weight(const at::Tensor& w);

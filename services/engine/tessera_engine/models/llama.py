@@ -17,7 +17,7 @@ from tessera_engine.attention import AttentionMetadata, PagedAttention, TorchAtt
 from tessera_engine.models.packed_linear import ONEDNN, PackedWeight
 from tessera_engine.models.quantized import QuantizedWeight
 from tessera_engine.models.rotary import RotaryEmbedding
-from tessera_engine.ops import TorchOps
+from tessera_engine.ops import QuantizedPath, TorchOps
 
 _TORCH_OPS = TorchOps()
 
@@ -57,6 +57,7 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._pw = PackedWeight()
         self.qweight: QuantizedWeight | None = None
+        self.qpath: QuantizedPath | None = None  # the ops' kernels for qweight (prepare_quantized)
         self.qlinear = None
         self.q_max_rows = 0
 
@@ -187,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window = sliding_window(config)
         self._tied_pw = PackedWeight()
         self.embed_q: QuantizedWeight | None = None  # the checkpoint's quantized embedding table
+        self.embed_qpath: QuantizedPath | None = None  # the ops' kernels for it (prepare_quantized)
         self.qembedding = None  # the ops backend's lookup in it, when used (use_backend)
         self.tied_qlinear = None  # the ops backend's qlinear for the tied lm_head, when used
         self.tied_q_max_rows = 0
@@ -216,47 +218,59 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_q is not None or any(isinstance(m, Linear) and m.qweight is not None
                                                for m in self.modules())
 
-    def matmul_pairs(self, qlinear) -> list["MatmulPair"]:
-        """Each matmul with a quantized weight, in forward order, as its two ways of running: the
-        `qlinear` kernel on the quantized blocks and the dense (packed) path (see
+    def prepare_quantized(self, ops: TorchOps) -> None:
+        """Each quantized weight put in the layout the ops' kernels read (ops.quantized_path:
+        repacked for the int8 matmul, or kept as the file has it), once, before timing or use."""
+        for m in self.modules():
+            if isinstance(m, Linear) and m.qweight is not None:
+                m.qpath = ops.quantized_path(m.qweight)
+                if m.qpath is not None:
+                    m.qweight = m.qpath.weight
+        if self.embed_q is not None:
+            self.embed_qpath = ops.quantized_path(self.embed_q)
+            if self.embed_qpath is not None:
+                self.embed_q = self.embed_qpath.weight
+
+    def matmul_pairs(self) -> list["MatmulPair"]:
+        """Each matmul with a quantized weight prepared for the ops (prepare_quantized), in forward
+        order, as its two ways of running: the quantized kernel and the dense (packed) path (see
         quantized_crossover.py, which times them)."""
         pairs = []
         for m in self.modules():
-            if isinstance(m, Linear) and m.qweight is not None:
+            if isinstance(m, Linear) and m.qpath is not None:
                 pairs.append(MatmulPair(
                     m.in_features, (m.out_features, m.in_features, m.qweight.qtype),
-                    lambda x, m=m: qlinear(x, m.qweight.data, m.qweight.qtype, m.bias),
+                    lambda x, m=m: m.qpath.linear(x, m.qweight.data, m.qweight.qtype, m.bias),
                     lambda x, m=m: m._pw.linear(x, m.weight, m.bias)))
-        if self.lm_head is None and self.embed_q is not None:
+        if self.lm_head is None and self.embed_qpath is not None:
             w = self.embed_tokens.weight
             pairs.append(MatmulPair(
                 w.shape[1], (w.shape[0], w.shape[1], self.embed_q.qtype),
-                lambda x: qlinear(x, self.embed_q.data, self.embed_q.qtype, None),
+                lambda x: self.embed_qpath.linear(x, self.embed_q.data, self.embed_q.qtype, None),
                 lambda x: self._tied_pw.linear(x, w, None)))
         return pairs
 
     def use_backend(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int) -> dict:
         """The backend plan's attention and ops, for every layer; layers with a quantized weight
-        run the ops' qlinear for up to q_max_rows rows (0: never). Returns how many linear
-        layers took each path ("Q4_1": 210, "dense": 1, ...)."""
+        prepared for the ops (prepare_quantized) run its kernel for up to q_max_rows rows (0:
+        never). Returns how many linear layers took each path ("Q4_1 int8": 210, "dense": 1, ...)."""
         self.attention = attention
         paths: dict[str, int] = {}
-        qlinear = ops.qlinear if q_max_rows > 0 else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, LlamaMLP)):
                 m.ops = ops
             elif isinstance(m, LlamaAttention):
                 m.backend = attention
             elif isinstance(m, Linear):
-                usable = qlinear is not None and m.qweight is not None
-                m.qlinear, m.q_max_rows = (qlinear, q_max_rows) if usable else (None, 0)
-                kind = m.qweight.type_name if usable else "dense"
+                usable = q_max_rows > 0 and m.qpath is not None
+                m.qlinear, m.q_max_rows = (m.qpath.linear, q_max_rows) if usable else (None, 0)
+                kind = m.qpath.name if usable else "dense"
                 paths[kind] = paths.get(kind, 0) + 1
-        use_tied = qlinear is not None and self.embed_q is not None and self.lm_head is None
-        self.qembedding = ops.qembedding if use_tied else None
-        self.tied_qlinear, self.tied_q_max_rows = (qlinear, q_max_rows) if use_tied else (None, 0)
+        use_tied = q_max_rows > 0 and self.embed_qpath is not None and self.lm_head is None
+        self.qembedding = self.embed_qpath.embedding if use_tied else None
+        self.tied_qlinear, self.tied_q_max_rows = (self.embed_qpath.linear, q_max_rows) if use_tied else (None, 0)
         if self.lm_head is None:
-            kind = self.embed_q.type_name if use_tied else "dense"
+            kind = self.embed_qpath.name if use_tied else "dense"
             paths[kind] = paths.get(kind, 0) + 1
         return paths
 

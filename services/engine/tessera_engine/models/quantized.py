@@ -19,22 +19,32 @@ import torch
 
 # ggml type number -> name, for the types the kernels take
 QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# ggml type number -> (weights, bytes) of one block
+BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+GGUF, INT8_X16 = "gguf", "int8x16"  # layouts: the file's; repacked for the int8 matmul (csrc/int8_matmul.cpp)
 
 
 class QuantizedWeight(NamedTuple):
-    data: torch.Tensor  # uint8 [rows, K / block weights (32, K-quants 256) * block bytes], llama.cpp's layout
+    data: torch.Tensor  # GGUF: uint8 [rows, K / block weights (32, K-quants 256) * block bytes], llama.cpp's layout
     qtype: int           # ggml type number (QTYPES)
+    layout: str = GGUF   # INT8_X16: rows interleaved 16 at a time, as the int8 matmul reads them
 
     @property
     def type_name(self) -> str:
         return QTYPES[self.qtype]
 
+    @property
+    def in_features(self) -> int:
+        """K, the weights a row (the file's layout)."""
+        weights, nbytes = BLOCKS[self.qtype]
+        return self.data.shape[1] // nbytes * weights
+
     @staticmethod
     def concat(parts: list["QuantizedWeight | None"]) -> "QuantizedWeight | None":
         """Row-wise concatenation (fused QKV, gate/up); None unless every part is there in one type."""
-        if not parts or any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+        if not parts or any(p is None for p in parts) or len({(p.qtype, p.layout) for p in parts}) != 1:
             return None
-        return QuantizedWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype)
+        return QuantizedWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype, parts[0].layout)
 
 
 def gguf_name_map(reader, hf_config):

@@ -1,0 +1,266 @@
+// tessera's CPU kernels: the matmul of a few activation rows with Q4_0 / Q4_1 / Q8_0 weights
+// on integer dot products, as llama.cpp computes it: each 32-value block of an activation row
+// is quantized to int8 with a float scale (x ~ dx * xq), and a weight block's contribution is
+//   Q4_0: d dx (sum q xq - 8 sum xq)      Q8_0: d dx (sum q xq)      Q4_1: d dx sum q xq + m dx sum xq
+// with q the stored (unsigned 4-bit, or signed 8-bit) quants. The int8 sums run on AVX512-VNNI's
+// vpdpbusd (64 byte products a instruction), against weights repacked once at load
+// (qrepack_i8): 16 output rows interleaved so that one 64-byte load holds four consecutive quants
+// of each of 16 rows, and one broadcast of four activation bytes feeds all 16. A decode step then
+// reads each weight byte once and spends a few instructions per 512 weights, instead of
+// dequantizing every weight to bfloat16 first (quantized_matmul.cpp), which left a single
+// request's step compute-bound at ~2.5x the time its bytes take to stream from memory.
+//
+// Not bit-exact with the dequantized weights: the activations lose precision to int8 (the
+// same trade llama.cpp makes); the backend plan uses this path only where the plan says so
+// (bfloat16 activations) and the float32 path stays exact.
+//
+// Repacked layout, uint8 [N / 16, blocks * group block bytes]: for row group g and block b,
+//   quants  Q4: 4 x 64 bytes, vector i lane r = bytes 4i..4i+3 of row 16g+r's block (low nibbles
+//               are weights 4i..4i+3, high nibbles 16+4i..16+4i+3: GGUF's own pairing);
+//           Q8: 8 x 64 bytes, vector i lane r = weights 4i..4i+3 of row 16g+r, plus 128 (unsigned)
+//   then 16 float16 d, then (Q4_1) 16 float16 m: the same bytes a block as the file's layout.
+#include "cpu_kernels.h"
+#include "gguf_blocks.h"
+#include "vec.h"
+
+namespace tessera {
+namespace {
+
+constexpr int64_t kRows = 16;  // output rows a group interleaves: one int32 lane each
+
+constexpr bool repackable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0; }
+
+constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : 256; }  // a group's quants of one block
+
+// bytes of one block of a 16-row group: the quants, d, and (Q4_1) m
+constexpr int64_t group_block_bytes(int64_t qt) { return quant_bytes(qt) + 32 + (qt == kQ4_1 ? 32 : 0); }
+
+void check_repacked(const at::Tensor& wp, int64_t qt, int64_t K, const char* what) {
+  TORCH_CHECK(repackable(qt), what, ": int8 path for Q4_0, Q4_1, Q8_0 only, got ", q_type_name(qt));
+  TORCH_CHECK(wp.dim() == 2 && wp.scalar_type() == at::kByte && wp.is_contiguous(),
+              what, ": the repacked weight is a contiguous uint8 [N / 16, group bytes]");
+  TORCH_CHECK(K > 0 && K % 32 == 0, what, ": K must be a multiple of 32, got ", K);
+  TORCH_CHECK(wp.size(1) == K / 32 * group_block_bytes(qt), what, ": ", wp.size(1),
+              " bytes a row group do not hold K = ", K, " weights of ", q_type_name(qt), " (",
+              K / 32 * group_block_bytes(qt), " bytes)");
+}
+
+// The activations, block-quantized: xq [M, K] int8, and per row and block its scale dx and
+// the sum of its quants (the Q4_0 / Q8_0 offset and the Q4_1 minimum's term).
+struct QuantizedActivations {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+};
+
+template <typename T>
+QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
+  at::parallel_for(0, M, 16, [&](int64_t mb, int64_t me) {
+    alignas(64) float v[32];
+    for (int64_t m = mb; m < me; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        to_float(x + m * K + 32 * b, v, 32);
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        int8_t* q = a.q.data() + m * K + 32 * b;
+        int32_t s = 0;
+        for (int j = 0; j < 32; ++j) {
+          q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+          s += q[j];
+        }
+        a.scale[m * nb + b] = d;
+        a.sum[m * nb + b] = s;
+      }
+    }
+  });
+  return a;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// y[m, 16g .. 16g + 15] for rows m0 .. m0 + MT - 1: the whole K of one row group.
+template <int64_t qt, int MT, typename T>
+inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivations& a, int64_t K, int64_t m0,
+                       const float* bias, T* y, int64_t N, int64_t g) {
+  constexpr int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = grp + b * gbb;
+    __m512i w[8];
+    if constexpr (qt == kQ8_0) {
+      for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(blk + 64 * i);
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * i);
+        w[i] = _mm512_and_si512(v, low4);                          // weights 4i .. 4i + 3
+        w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);  // weights 16 + 4i ..
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb)));
+    __m512 mn = _mm512_setzero_ps();
+    if constexpr (qt == kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb + 32)));
+    for (int i = 0; i < MT; ++i) {
+      const int64_t m = m0 + i;
+      int32_t xw[8];
+      std::memcpy(xw, a.q.data() + m * K + 32 * b, 32);
+      // two chains: vpdpbusd's latency, not its throughput, would bound one
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int k = 0; k < 8; k += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[k], _mm512_set1_epi32(xw[k]));
+        s1 = _mm512_dpbusd_epi32(s1, w[k + 1], _mm512_set1_epi32(xw[k + 1]));
+      }
+      __m512i s = _mm512_add_epi32(s0, s1);
+      const int32_t xs = a.sum[m * nb + b];
+      if constexpr (qt == kQ4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * xs));
+      if constexpr (qt == kQ8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xs));
+      const float dx = a.scale[m * nb + b];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
+      if constexpr (qt == kQ4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx * static_cast<float>(xs)), acc[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    alignas(64) float res[kRows];
+    __m512 r = acc[i];
+    if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + kRows * g));
+    _mm512_store_ps(res, r);
+    from_float(res, y + (m0 + i) * N + kRows * g, kRows);
+  }
+}
+#endif
+
+}  // namespace
+
+bool int8_matmul_available() {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// A Q4_0 / Q4_1 / Q8_0 weight [N, K] (N a multiple of 16) in the layout qlinear_i8 reads.
+at::Tensor qrepack_i8(const at::Tensor& wq, int64_t qt, int64_t K) {
+  TORCH_CHECK(repackable(qt), "qrepack_i8: int8 path for Q4_0, Q4_1, Q8_0 only, got ", q_type_name(qt));
+  check_quantized(wq, qt, K, "qrepack_i8");
+  const int64_t N = wq.size(0), nb = K / 32, bb = q_block_bytes(qt), row_bytes = wq.size(1);
+  TORCH_CHECK(N % kRows == 0, "qrepack_i8: N must be a multiple of 16, got ", N);
+  const int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
+  at::Tensor out = at::empty({N / kRows, nb * gbb}, wq.options());
+  const uint8_t* src = wq.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t qoff = qt == kQ4_1 ? 4 : 2;  // quants after d (and m)
+  at::parallel_for(0, N / kRows, 1, [&](int64_t gb, int64_t ge) {
+    for (int64_t g = gb; g < ge; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* o = dst + g * nb * gbb + b * gbb;
+        for (int64_t r = 0; r < kRows; ++r) {
+          const uint8_t* blk = src + (g * kRows + r) * row_bytes + b * bb;
+          for (int64_t i = 0; i < qb / 64; ++i)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t q = blk[qoff + 4 * i + j];
+              o[64 * i + 4 * r + j] = qt == kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
+            }
+          std::memcpy(o + qb + 2 * r, blk, 2);                            // d
+          if (qt == kQ4_1) std::memcpy(o + qb + 32 + 2 * r, blk + 2, 2);  // m
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// y = x W^T (+ bias), W repacked by qrepack_i8; x [M, K] float32 or bfloat16 -> [M, N] of its dtype.
+at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qlinear_i8: contiguous x [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = wp.size(0) * kRows, nb = K / 32;
+  check_repacked(wp, qt, K, "qlinear_i8");
+  std::vector<float> bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "qlinear_i8: bias [N]");
+    at::Tensor bf = bias->to(at::kFloat).contiguous();
+    bias_f.assign(bf.data_ptr<float>(), bf.data_ptr<float>() + N);
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  const float* bp = bias_f.empty() ? nullptr : bias_f.data();
+  const uint8_t* w = wp.data_ptr<uint8_t>();
+  const int64_t gstride = nb * group_block_bytes(qt);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const QuantizedActivations a = quantize_activations(x.data_ptr<T>(), M, K);
+    T* yp = out.data_ptr<T>();
+    auto groups = [&](auto qtag) {
+      constexpr int64_t QT = decltype(qtag)::value;
+      at::parallel_for(0, N / kRows, 1, [&](int64_t gb, int64_t ge) {
+        for (int64_t g = gb; g < ge; ++g) {
+          const uint8_t* grp = w + g * gstride;
+          int64_t m = 0;
+          for (; m + 4 <= M; m += 4) group_rows<QT, 4>(grp, nb, a, K, m, bp, yp, N, g);
+          switch (M - m) {
+            case 3: group_rows<QT, 3>(grp, nb, a, K, m, bp, yp, N, g); break;
+            case 2: group_rows<QT, 2>(grp, nb, a, K, m, bp, yp, N, g); break;
+            case 1: group_rows<QT, 1>(grp, nb, a, K, m, bp, yp, N, g); break;
+            default: break;
+          }
+        }
+      });
+    };
+    if (qt == kQ4_0) groups(std::integral_constant<int64_t, kQ4_0>{});
+    else if (qt == kQ4_1) groups(std::integral_constant<int64_t, kQ4_1>{});
+    else groups(std::integral_constant<int64_t, kQ8_0>{});
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
+  else TORCH_CHECK(false, "qlinear_i8: activations must be float32 or bfloat16, got ", x.scalar_type());
+#else
+  TORCH_CHECK(false, "qlinear_i8: this build has no AVX512-VNNI (int8_matmul_available() is false)");
+#endif
+  return out;
+}
+
+// Rows `ids` of a repacked Q4_0 / Q4_1 / Q8_0 table -> [T, K] of `dtype`, each value exactly as
+// from the file's layout (the block is put back together, then dequantized as gguf-py does).
+at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt, int64_t K, at::ScalarType dtype) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "qembedding_i8: ids [T] int64");
+  check_repacked(wp, qt, K, "qembedding_i8");
+  at::Tensor idc = ids.contiguous();
+  const int64_t T = idc.size(0), V = wp.size(0) * kRows, nb = K / 32;
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "qembedding_i8: id ", ip[t], " outside [0, ", V, ")");
+  at::Tensor out = at::empty({T, K}, ids.options().dtype(dtype));
+  const uint8_t* w = wp.data_ptr<uint8_t>();
+  const int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt), qoff = qt == kQ4_1 ? 4 : 2;
+  auto run = [&](auto tag) {
+    using T_ = decltype(tag);
+    T_* op = out.data_ptr<T_>();
+    at::parallel_for(0, T, 8, [&](int64_t b0, int64_t e0) {
+      uint8_t blk[34];
+      float vals[32];
+      for (int64_t t = b0; t < e0; ++t) {
+        const int64_t g = ip[t] / kRows, r = ip[t] % kRows;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* o = w + g * nb * gbb + b * gbb;
+          std::memcpy(blk, o + qb + 2 * r, 2);
+          if (qt == kQ4_1) std::memcpy(blk + 2, o + qb + 32 + 2 * r, 2);
+          for (int64_t i = 0; i < qb / 64; ++i)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t q = o[64 * i + 4 * r + j];
+              blk[qoff + 4 * i + j] = qt == kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
+            }
+          dequant_block_scalar(blk, qt, vals);
+          from_float(vals, op + t * K + 32 * b, 32);
+        }
+      }
+    });
+  };
+  if (dtype == at::kFloat) run(float{});
+  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
+  else TORCH_CHECK(false, "qembedding_i8: dtype must be float32 or bfloat16, got ", dtype);
+  return out;
+}
+
+}  // namespace tessera

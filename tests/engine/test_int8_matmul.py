@@ -1,0 +1,150 @@
+"""The int8 quantized matmul (csrc/int8_matmul.cpp): Q4_0 / Q4_1 / Q8_0 weights repacked 16 rows
+at a time, activations quantized to int8 per 32-value block. Its sums against a reference written
+here in float64 from gguf-py's dequantization and the same activation quantization; the repacked
+embedding rows bit for bit gguf-py's; the refusals; the backend plan's choice of it; and the
+default model's next-token distributions on it against the exact float32 path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tessera_engine import cpu_kernels
+from tessera_engine.backend_plan import choose_quantized_matmul, plan_backends
+from tessera_engine.config import EngineConfig
+from tessera_engine.models.quantized import INT8_X16, QuantizedWeight
+from tessera_engine.server import config_from_args, parse_args
+
+from helpers.engine_fixtures import chat_prompts, hf_tokenizer, model_source  # noqa: F401
+
+K = cpu_kernels.load()
+VNNI = K is not None and K.int8_matmul_available()
+pytestmark = pytest.mark.unit
+needs_vnni = pytest.mark.skipif(not VNNI, reason="no AVX512-VNNI build of the CPU kernels here")
+
+INT8_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+
+
+def quantized(n: int, k: int, qtype: int, seed: int = 0):
+    """A random [n, k] weight quantized by gguf-py: (raw bytes, gguf-py's dequantization)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    raw = gguf.quantize(w, gguf.GGMLQuantizationType(qtype))
+    ref = gguf.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float64)
+    return torch.from_numpy(np.ascontiguousarray(raw)), ref.reshape(n, k)
+
+
+def int8_reference(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
+    """x quantized per 32-value block as the kernel does (scale amax / 127, round to nearest),
+    times the dequantized weights, in float64."""
+    xb = x.float().numpy().astype(np.float64).reshape(x.shape[0], -1, 32)
+    d = (np.abs(xb).max(-1, keepdims=True).astype(np.float32) / np.float32(127)).astype(np.float64)
+    inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint((xb.astype(np.float32) * inv)).astype(np.float64)
+    return (q * d).reshape(x.shape) @ w.T
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", sorted(INT8_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_int8_matmul_matches_the_int8_reference(qtype, rows):
+    n, k = 48, 256
+    raw, ref_w = quantized(n, k, qtype, seed=qtype)
+    packed = K.qrepack_i8(raw, qtype, k)
+    assert packed.shape == (n // 16, raw.shape[1] * 16)  # the file's bytes, interleaved
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    bias = torch.randn(n, generator=gen)
+    got = K.qlinear_i8(x, packed, qtype, bias).double().numpy()
+    want = int8_reference(x, ref_w) + bias.double().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # and within int8's error of the exact product
+    exact = x.double().numpy() @ ref_w.T + bias.double().numpy()
+    assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()
+    got_bf16 = K.qlinear_i8(x.to(torch.bfloat16), packed, qtype, bias)
+    assert got_bf16.dtype == torch.bfloat16 and got_bf16.shape == (rows, n)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", sorted(INT8_TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repacked_embedding_rows_are_the_files_exactly(qtype, dtype):
+    n, k = 64, 96
+    raw, _ = quantized(n, k, qtype, seed=7)
+    packed = K.qrepack_i8(raw, qtype, k)
+    ids = torch.tensor([0, 15, 16, 31, 47, 63, 5])
+    assert torch.equal(K.qembedding_i8(ids, packed, qtype, k, dtype), K.qembedding(ids, raw, qtype, k, dtype))
+
+
+@needs_vnni
+def test_refusals_name_what_is_wrong():
+    raw, _ = quantized(32, 64, 3)
+    with pytest.raises(RuntimeError, match="N must be a multiple of 16"):
+        K.qrepack_i8(raw[:20].contiguous(), 3, 64)
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q8_0 only, got Q4_K"):
+        K.qrepack_i8(raw, 12, 64)
+    packed = K.qrepack_i8(raw, 3, 64)
+    with pytest.raises(RuntimeError, match="do not hold K = 96"):
+        K.qlinear_i8(torch.randn(1, 96), packed, 3, None)
+    with pytest.raises(RuntimeError, match="outside"):
+        K.qembedding_i8(torch.tensor([32]), packed, 3, 64, torch.float32)
+
+
+def test_the_plan_chooses_int8_for_bfloat16_and_exact_for_float32():
+    kernels = K if VNNI else None
+    assert choose_quantized_matmul("auto", torch.float32, kernels) == (False, "auto: exact in float32, the reference dtype")
+    assert choose_quantized_matmul("exact", torch.bfloat16, kernels) == (False, "set by --quantized-matmul")
+    int8, why = choose_quantized_matmul("auto", torch.bfloat16, kernels)
+    assert int8 == VNNI and ("VNNI" in why)
+    int8, why = choose_quantized_matmul("int8", torch.bfloat16, None)
+    assert not int8 and "lacks" in why
+
+
+def test_the_flag_and_its_environment_fallback(monkeypatch):
+    monkeypatch.delenv("TESSERA_QUANTIZED_MATMUL", raising=False)
+    assert config_from_args(parse_args([])).quantized_matmul == "auto"
+    assert config_from_args(parse_args(["--quantized-matmul", "exact"])).quantized_matmul == "exact"
+    monkeypatch.setenv("TESSERA_QUANTIZED_MATMUL", "int8")
+    assert config_from_args(parse_args([])).quantized_matmul == "int8"
+    with pytest.raises(ValueError, match="quantized_matmul must be one of"):
+        EngineConfig(quantized_matmul="fast").validate()
+
+
+@needs_vnni
+def test_bfloat16_layers_run_repacked_weights_and_a_shared_model_keeps_its_layout():
+    plan, loaded = plan_backends(EngineConfig(device="cpu", dtype="bfloat16", quantized_max_rows=4))
+    assert plan.quantized_matmul == "int8" and "VNNI" in plan.why["quantized_matmul"]
+    model = loaded.model
+    layouts = {m.qweight.layout for m in model.modules() if getattr(m, "qweight", None) is not None}
+    assert layouts == {INT8_X16} and model.embed_q.layout == INT8_X16
+    # an engine over the same model with the exact matmul cannot have it: refused, not mixed
+    with pytest.raises(ValueError, match="repacked for the int8 matmul"):
+        plan_backends(EngineConfig(device="cpu", dtype="bfloat16", quantized_matmul="exact"), loaded)
+
+
+@needs_vnni
+@pytest.mark.slow
+def test_next_token_distributions_stay_close_to_the_exact_float32_path(chat_prompts):
+    """The default model's last-position log-probabilities over a few chat prompts: bfloat16 with
+    the int8 matmul against float32 with the exact one (the reference). The mean KL divergence
+    and the top-1 agreement bound what the int8 activations cost; the benchmark
+    (benchmarks/quantized_accuracy.py) measures it over hundreds of prompts against llama.cpp's."""
+    from tessera_engine.model_runner import ModelRunner
+
+    prompts = chat_prompts[:16]
+
+    def logprobs(dtype: str, matmul: str) -> torch.Tensor:
+        plan, loaded = plan_backends(EngineConfig(device="cpu", dtype=dtype, quantized_matmul=matmul,
+                                                  quantized_max_rows=64))
+        runner = ModelRunner(loaded.model, loaded.hf_config, 64, 16, plan)
+        return torch.stack([runner.last_logits(ids).float().log_softmax(-1) for ids in prompts])
+
+    ref = logprobs("float32", "exact")
+    got = logprobs("bfloat16", "int8")
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    print("KL", kl.mean().item(), "agree", agree)
+    assert kl.mean().item() < 0.02 and agree >= 0.85, (kl.tolist(), agree)

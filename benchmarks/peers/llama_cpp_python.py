@@ -108,6 +108,36 @@ def _worker(gguf: str, prompt_ids: list[int], num_tokens: int) -> dict:
     return res
 
 
+def prompt_logits(py: pathlib.Path, gguf: str, prompts: list[list[int]], out: pathlib.Path) -> "np.ndarray":
+    """llama.cpp's next-token logits at the end of each prompt (float32 [prompts, vocab]), each
+    prompt evaluated alone from an empty cache, all cores, in a fresh worker of the llama.cpp
+    venv; written to `out` (.npy) and read back."""
+    spec = out.with_suffix(".prompts.json")
+    spec.write_text(json.dumps(prompts))
+    subprocess.run([str(py), __file__, "--logits-worker", "--gguf", gguf, "--prompt-ids", "0",
+                    "--prompts-file", str(spec), "--out", str(out)], check=True)
+    import numpy as np
+
+    return np.load(out)
+
+
+def _logits_worker(gguf: str, prompts_file: str, out: str) -> None:
+    import numpy as np
+    from llama_cpp import Llama
+
+    prompts = json.loads(pathlib.Path(prompts_file).read_text())
+    cores = os.cpu_count() or 1
+    # logits_all: the binding copies logits into llm.scores only then
+    llm = Llama(model_path=gguf, n_ctx=max(512, max(map(len, prompts)) + 8), n_batch=512, n_threads=cores,
+                n_threads_batch=cores, logits_all=True, verbose=False)
+    rows = []
+    for ids in prompts:
+        llm.reset()
+        llm.eval(ids)
+        rows.append(np.array(llm.scores[len(ids) - 1], dtype=np.float32))
+    np.save(out, np.stack(rows))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the embedded default model)")
@@ -115,7 +145,13 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--venv", default=None, help="the llama.cpp venv (default <TESSERA_BENCH_CACHE>/llama-cpp-venv)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--logits-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.logits_worker:
+        _logits_worker(a.gguf, a.prompts_file, a.out)
+        return
     ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
     if a.worker:
         print(json.dumps(_worker(a.gguf, ids, a.tokens)))

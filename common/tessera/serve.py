@@ -268,10 +268,14 @@ def run(args: argparse.Namespace, routed: dict[str, list[str]],
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = open(log_dir / "services.log", "a", encoding="utf-8") if tty else None
     progress = Progress(tty, log_file)
-    stopping = threading.Event()
+    stop_signals: list[int] = []
 
     def on_signal(signum, frame):
-        stopping.set()
+        # Only the first signal stops: `make run` under Ctrl-C or `timeout` gets two at once,
+        # and a handler re-entered inside a lock it holds (threading.Event.set) waited forever.
+        if stop_signals:
+            return
+        stop_signals.append(signum)
         raise Stopping
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -327,7 +331,7 @@ def run(args: argparse.Namespace, routed: dict[str, list[str]],
         progress.close()
         progress.say("stopping (frontend first, then the tokenizer and the engine)")
         failed = stop_all(children, args)
-        if failed and stopping.is_set():
+        if failed and stop_signals:
             code = EXIT_FAILED
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -76,7 +76,10 @@ def test_serve_prints_endpoints_answers_and_stops_cleanly(tmp_path):
         assert chunks[-1] == "data: [DONE]"
         assert json.loads(chunks[-2][5:])["usage"]["completion_tokens"] >= 1
 
-        proc.send_signal(signal.SIGTERM)
+        # a burst of signals, as `make run` gets from Ctrl-C or `timeout` (make and the
+        # terminal each pass one on): the first stops, the others must not hang the drain
+        for sig in (signal.SIGTERM, signal.SIGINT) * 10:
+            proc.send_signal(sig)
         assert proc.wait(timeout=90) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"orphans: {alive}"

@@ -159,13 +159,7 @@ class ModelRunner:
         num_decodes = max(1, min(num_decodes, num_blocks))
         times = {}
         t0 = time.perf_counter()
-        table = list(range(-(-num_tokens // bs)))
-        positions = torch.arange(num_tokens, dtype=torch.long, device=self.device)
-        meta = self.attention.build_metadata(positions.clone(), positions, [],
-                                             [PrefillChunk(0, 0, num_tokens, table)])
-        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), positions,
-                            self.kv_caches, meta)
-        self.model.compute_logits(hidden[-1:])
+        self.last_logits([0] * num_tokens)
         times["prefill_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         t0 = time.perf_counter()
         # every decode in block 0: the shapes are what matters, and the pool's other pages stay
@@ -182,8 +176,8 @@ class ModelRunner:
     @torch.inference_mode()
     def last_logits(self, token_ids: list[int]) -> torch.Tensor:
         """One prompt's next-token logits [vocab], computed alone in one chunk outside any step
-        (accuracy checks: tests and benchmarks compare backends on it). Only while no request
-        holds a block: it writes K/V from block 0 on."""
+        (warm_up's prefill; accuracy checks: tests and benchmarks compare backends on it). Only
+        while no request holds a block: it writes K/V from block 0 on."""
         n = len(token_ids)
         positions = torch.arange(n, dtype=torch.long, device=self.device)
         table = list(range(-(-n // self.block_size)))

@@ -74,8 +74,11 @@ class CpuKernelOps(TorchOps):
         self.qlinear = kernels.qlinear
         self.qembedding = kernels.qembedding
         self.int8 = int8
-        self.quantized_matmul = "int8" if int8 else "exact"
         self.dense_packing = BrgemmPacking.checked(kernels) or ONEDNN
+
+    @property
+    def quantized_matmul(self) -> str:
+        return "int8" if self.int8 else "exact"
 
     def quantized_path(self, weight: QuantizedWeight) -> QuantizedPath:
         k = self.kernels

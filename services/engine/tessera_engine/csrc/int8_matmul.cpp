@@ -36,6 +36,21 @@ constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : 256; }  /
 // bytes of one block of a 16-row group: the quants, d, and (Q4_1) m
 constexpr int64_t group_block_bytes(int64_t qt) { return quant_bytes(qt) + 32 + (qt == kQ4_1 ? 32 : 0); }
 
+// Where row r's block (the file's bytes) lies in its group's block of the repacked layout:
+// f(group offset, block offset, is a quant) for each of its bytes. qrepack_i8 copies one way,
+// qembedding_i8 the other.
+template <typename F>
+inline void block_in_group(int64_t qt, int64_t r, F&& f) {
+  const int64_t qb = quant_bytes(qt), qoff = qt == kQ4_1 ? 4 : 2;  // quants after d (and m)
+  for (int64_t i = 0; i < qb / 64; ++i)
+    for (int j = 0; j < 4; ++j) f(64 * i + 4 * r + j, qoff + 4 * i + j, true);
+  for (int j = 0; j < 2; ++j) f(qb + 2 * r + j, j, false);                        // d
+  if (qt == kQ4_1) for (int j = 0; j < 2; ++j) f(qb + 32 + 2 * r + j, 2 + j, false);  // m
+}
+
+// A quant byte as the group holds it (Q8_0 signed -> unsigned, + 128) and back: its own inverse.
+inline uint8_t group_quant(int64_t qt, uint8_t q) { return qt == kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q; }
+
 void check_repacked(const at::Tensor& wp, int64_t qt, int64_t K, const char* what) {
   TORCH_CHECK(repackable(qt), what, ": int8 path for Q4_0, Q4_1, Q8_0 only, got ", q_type_name(qt));
   TORCH_CHECK(wp.dim() == 2 && wp.scalar_type() == at::kByte && wp.is_contiguous(),
@@ -161,24 +176,19 @@ at::Tensor qrepack_i8(const at::Tensor& wq, int64_t qt, int64_t K) {
   check_quantized(wq, qt, K, "qrepack_i8");
   const int64_t N = wq.size(0), nb = K / 32, bb = q_block_bytes(qt), row_bytes = wq.size(1);
   TORCH_CHECK(N % kRows == 0, "qrepack_i8: N must be a multiple of 16, got ", N);
-  const int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
+  const int64_t gbb = group_block_bytes(qt);
   at::Tensor out = at::empty({N / kRows, nb * gbb}, wq.options());
   const uint8_t* src = wq.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t qoff = qt == kQ4_1 ? 4 : 2;  // quants after d (and m)
   at::parallel_for(0, N / kRows, 1, [&](int64_t gb, int64_t ge) {
     for (int64_t g = gb; g < ge; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* o = dst + g * nb * gbb + b * gbb;
         for (int64_t r = 0; r < kRows; ++r) {
           const uint8_t* blk = src + (g * kRows + r) * row_bytes + b * bb;
-          for (int64_t i = 0; i < qb / 64; ++i)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t q = blk[qoff + 4 * i + j];
-              o[64 * i + 4 * r + j] = qt == kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
-            }
-          std::memcpy(o + qb + 2 * r, blk, 2);                            // d
-          if (qt == kQ4_1) std::memcpy(o + qb + 32 + 2 * r, blk + 2, 2);  // m
+          block_in_group(qt, r, [&](int64_t go, int64_t bo, bool quant) {
+            o[go] = quant ? group_quant(qt, blk[bo]) : blk[bo];
+          });
         }
       }
     }
@@ -202,7 +212,7 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   const uint8_t* w = wp.data_ptr<uint8_t>();
   const int64_t gstride = nb * group_block_bytes(qt);
-  auto run = [&](auto tag) {
+  dispatch_float_bf16(x.scalar_type(), "qlinear_i8: activations", [&](auto tag) {
     using T = decltype(tag);
     const QuantizedActivations a = quantize_activations(x.data_ptr<T>(), M, K);
     T* yp = out.data_ptr<T>();
@@ -225,10 +235,7 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
     if (qt == kQ4_0) groups(std::integral_constant<int64_t, kQ4_0>{});
     else if (qt == kQ4_1) groups(std::integral_constant<int64_t, kQ4_1>{});
     else groups(std::integral_constant<int64_t, kQ8_0>{});
-  };
-  if (x.scalar_type() == at::kFloat) run(float{});
-  else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
-  else TORCH_CHECK(false, "qlinear_i8: activations must be float32 or bfloat16, got ", x.scalar_type());
+  });
 #else
   TORCH_CHECK(false, "qlinear_i8: this build has no AVX512-VNNI (int8_matmul_available() is false)");
 #endif
@@ -246,8 +253,8 @@ at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "qembedding_i8: id ", ip[t], " outside [0, ", V, ")");
   at::Tensor out = at::empty({T, K}, ids.options().dtype(dtype));
   const uint8_t* w = wp.data_ptr<uint8_t>();
-  const int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt), qoff = qt == kQ4_1 ? 4 : 2;
-  auto run = [&](auto tag) {
+  const int64_t gbb = group_block_bytes(qt);
+  dispatch_float_bf16(dtype, "qembedding_i8: dtype", [&](auto tag) {
     using T_ = decltype(tag);
     T_* op = out.data_ptr<T_>();
     at::parallel_for(0, T, 8, [&](int64_t b0, int64_t e0) {
@@ -257,22 +264,15 @@ at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt
         const int64_t g = ip[t] / kRows, r = ip[t] % kRows;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* o = w + g * nb * gbb + b * gbb;
-          std::memcpy(blk, o + qb + 2 * r, 2);
-          if (qt == kQ4_1) std::memcpy(blk + 2, o + qb + 32 + 2 * r, 2);
-          for (int64_t i = 0; i < qb / 64; ++i)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t q = o[64 * i + 4 * r + j];
-              blk[qoff + 4 * i + j] = qt == kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q;
-            }
+          block_in_group(qt, r, [&](int64_t go, int64_t bo, bool quant) {
+            blk[bo] = quant ? group_quant(qt, o[go]) : o[go];
+          });
           dequant_block_scalar(blk, qt, vals);
           from_float(vals, op + t * K + 32 * b, 32);
         }
       }
     });
-  };
-  if (dtype == at::kFloat) run(float{});
-  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
-  else TORCH_CHECK(false, "qembedding_i8: dtype must be float32 or bfloat16, got ", dtype);
+  });
   return out;
 }
 

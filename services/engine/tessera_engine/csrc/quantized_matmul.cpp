@@ -270,9 +270,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& wq, int64_t qt, const 
       }
     });
   }); };
-  if (x.scalar_type() == at::kFloat) run(float{});
-  else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16{});
-  else TORCH_CHECK(false, "qlinear: activations must be float32 or bfloat16, got ", x.scalar_type());
+  dispatch_float_bf16(x.scalar_type(), "qlinear: activations", run);
   return out;
 }
 
@@ -294,9 +292,7 @@ at::Tensor qembedding(const at::Tensor& ids, const at::Tensor& wq, int64_t qt, i
       for (int64_t t = b; t < e; ++t) dequant_row<T_, QT>(wp + ip[t] * row_bytes, nb, op + t * K);
     });
   }); };
-  if (dtype == at::kFloat) run(float{});
-  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
-  else TORCH_CHECK(false, "qembedding: dtype must be float32 or bfloat16, got ", dtype);
+  dispatch_float_bf16(dtype, "qembedding: dtype", run);
   return out;
 }
 

@@ -89,6 +89,14 @@ void dispatch_dtype(at::ScalarType t, const char* what, F&& f) {
   }
 }
 
+// f(float{}) or f(c10::BFloat16{}): the quantized matmuls' activation dtypes, and only those
+template <typename F>
+void dispatch_float_bf16(at::ScalarType t, const char* what, F&& f) {
+  if (t == at::kFloat) f(float{});
+  else if (t == at::kBFloat16) f(c10::BFloat16{});
+  else TORCH_CHECK(false, what, " must be float32 or bfloat16, got ", t);
+}
+
 // ---- vector helpers (AVX-512 where the build machine has it) ----------------------------
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera_engine import cpu_kernels
-from tessera_engine.backend_plan import choose_dtype, choose_token_budget, plan_backends
+from tessera_engine.backend_plan import ALL_ROWS, choose_dtype, choose_token_budget, plan_backends
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore
 from tessera_engine.models.llama import Linear
@@ -77,9 +77,23 @@ def test_a_measured_row_limit_is_one_of_the_candidates(tiny_q4, monkeypatch, tmp
 
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(quantized_crossover, "_measured", {})
-    plan, _ = plan_backends(EngineConfig(model=str(tiny_q4), device="cpu", dtype="float32"))
+    plan, _ = plan_backends(EngineConfig(model=str(tiny_q4), device="cpu", dtype="float32", batch_invariant=False))
     assert plan.quantized_max_rows in (0, *quantized_crossover.CANDIDATE_ROWS)
     assert "timed" in plan.why["quantized_max_rows"]
+    assert not plan.batch_invariant and "--no-batch-invariant" in plan.why["batch_invariant"]
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the fused CPU kernels do not build here")
+def test_batch_invariant_by_default_every_batch_size_on_the_quantized_matmul(tiny_q4):
+    plan, _ = plan_backends(EngineConfig(model=str(tiny_q4), device="cpu", dtype="float32"))
+    assert plan.quantized_max_rows == ALL_ROWS and plan.batch_invariant
+    assert "batch-invariant" in plan.why["quantized_max_rows"]
+    assert plan.describe()["quantized_max_rows"] == "all"
+    # a set row limit splits batch sizes between two paths; torch attention cannot be invariant
+    plan, _ = plan_backends(EngineConfig(model=str(tiny_q4), device="cpu", dtype="float32", quantized_max_rows=3))
+    assert plan.quantized_max_rows == 3 and not plan.batch_invariant
+    plan, _ = plan_backends(EngineConfig(model=str(tiny_q4), device="cpu", dtype="float32", cpu_kernels=False))
+    assert not plan.batch_invariant and "torch attention" in plan.why["batch_invariant"]
 
 
 def test_no_quantized_blocks_kept_without_the_kernels_or_with_gguf_dequantize(tiny_q4):

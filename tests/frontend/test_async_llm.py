@@ -36,6 +36,7 @@ class FakeEngine:
 
     def __init__(self, max_model_len: int | None = None, kv_cache_tokens: int | None = None) -> None:
         self.ready = True
+        self.timeout_s = 1.0  # how long a migrating request waits for a replica
         self.max_model_len = max_model_len
         self.kv_cache_tokens = kv_cache_tokens
         self.refuse = False  # submit raises NoReplicaError
@@ -50,8 +51,8 @@ class FakeEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    def start(self, on_step, on_lost) -> None:
-        self.on_step, self.on_lost = on_step, on_lost
+    def start(self, on_step, on_lost, on_handoff=None) -> None:
+        self.on_step, self.on_lost, self.on_handoff = on_step, on_lost, on_handoff
         self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
@@ -65,7 +66,10 @@ class FakeEngine:
         if self.refuse or not left:
             raise NoReplicaError("no engine replica is connected")
         self.submitted.append((request, num_samples, more_coming))
-        self._running[request.request_id] = {i: 0 for i in range(num_samples)}
+        if request.resumed:  # a migrated request: each sample goes on after its tokens
+            self._running[request.request_id] = {r.index: len(r.output_token_ids) for r in request.resumed}
+        else:
+            self._running[request.request_id] = {i: 0 for i in range(num_samples)}
         self._max_tokens[request.request_id] = request.sampling_params.max_tokens
         self._wake.set()
         return left[0]
@@ -313,25 +317,34 @@ async def test_unavailable_backends():
 
 
 @run_async
-async def test_a_lost_engine_fails_its_requests():
-    llm = started()
+async def test_a_lost_engine_s_request_migrates_and_its_text_goes_on_exactly():
+    engine = FakeEngine()
+    llm = started(engine=engine)
     try:
-        outputs = llm.generate("r1", "a b c", common_pb2.SamplingParams(max_tokens=20))
-        await outputs.__anext__()
-        llm.engine.lose(llm.engine.submitted[0][0].request_id, "engine fake-engine:1 went away")
-        with pytest.raises(GenerateError) as info:
-            async for _ in outputs:
-                pass
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE and "went away" in info.value.message
-        assert llm.engine.aborted == []  # the engine had dropped it already
+        whole = await collect(llm, request_id="r0", max_tokens=12, n=2)
+        outputs = llm.generate("r1", "a b c", common_pb2.SamplingParams(max_tokens=12, n=2, prompt_logprobs=1))
+        got = [await outputs.__anext__(), await outputs.__anext__()]
+        engine_id = engine.submitted[-1][0].request_id
+        engine.lose(engine_id, "engine fake-engine:1 went away")
+        got += [out async for out in outputs]
+        for index in (0, 1):
+            assert text_of(got, index) == text_of(whole, index)
+        assert got[-1].usage.completion_tokens == 24  # each output token counted once
+        moved = engine.submitted[-1][0]
+        assert moved.request_id == engine_id  # the same request, its detokenizer state kept
+        resumed = {r.index: list(r.output_token_ids) for r in moved.resumed}
+        assert set(resumed) == {0, 1} and all(resumed.values())
+        assert not moved.sampling_params.HasField("prompt_logprobs")  # sent with the first output already
+        assert moved.sampling_params.seed == engine.submitted[-2][0].sampling_params.seed  # set at admission
+        assert engine.aborted == []  # the engine had dropped it already
+        assert len(llm.processor) == 0
     finally:
         await llm.close()
 
 
 @run_async
-async def test_a_request_lost_before_its_first_token_is_retried_on_another_replica():
+async def test_a_request_lost_before_its_first_token_migrates_too():
     engine = FakeEngine()
-    engine.replicas = ["engine-a:1", "engine-b:1"]
     engine.paused = True
     llm = started(engine=engine)
     try:
@@ -339,27 +352,53 @@ async def test_a_request_lost_before_its_first_token_is_retried_on_another_repli
         while not engine.submitted:
             await asyncio.sleep(0)
         first = engine.submitted[0][0].request_id
-        engine.lose(first, "engine engine-a:1 went away")  # before any token: retried on b
+        engine.lose(first, "engine engine-a:1 went away")
         while len(engine.submitted) < 2:
             await asyncio.sleep(0)
         engine.resume()
         outs = await task
         assert text_of(outs) == "Hello, world!" and outs[-1].usage.completion_tokens == 4
-        second = engine.submitted[1][0].request_id
-        assert second != first and second.startswith("r1-")  # a new engine id for the new attempt
-        assert len(llm.processor) == 0
+        moved = engine.submitted[1][0]
+        assert moved.request_id == first and [(r.index, list(r.output_token_ids)) for r in moved.resumed] == [(0, [])]
+    finally:
+        await llm.close()
 
-        # with no replica left to try, the failure reaches the caller
-        engine.replicas = ["engine-a:1"]
-        engine.paused = True
-        task = asyncio.ensure_future(collect(llm, request_id="r2", max_tokens=4))
-        while len(engine.submitted) < 3:
-            await asyncio.sleep(0)
-        engine.lose(engine.submitted[2][0].request_id, "engine engine-a:1 went away")
+
+@run_async
+async def test_migration_is_bounded_and_waits_for_a_replica_up_to_the_engine_timeout():
+    engine = FakeEngine()
+    llm = started(engine=engine)
+    try:
+        # lost more often than MAX_MIGRATIONS: UNAVAILABLE, saying so
+        outputs = llm.generate("r1", "a b c", common_pb2.SamplingParams(max_tokens=50))
+        await outputs.__anext__()
         with pytest.raises(GenerateError) as info:
-            await task
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE and len(engine.submitted) == 3
-        engine.resume()
+            for _ in range(async_llm_module.MAX_MIGRATIONS + 1):
+                engine.lose(engine.submitted[-1][0].request_id, "engine fake-engine:1 went away")
+                await outputs.__anext__()
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and "moved replicas" in info.value.message
+        assert len(engine.submitted) == 1 + async_llm_module.MAX_MIGRATIONS
+
+        # no replica to take it: it waits, and continues once one is back ...
+        outputs = llm.generate("r2", "a b c", common_pb2.SamplingParams(max_tokens=6))
+        got = [await outputs.__anext__()]
+        engine.refuse = True
+        engine.lose(engine.submitted[-1][0].request_id, "engine fake-engine:1 went away")
+        await asyncio.sleep(0.3)
+        engine.refuse = False
+        got += [out async for out in outputs]
+        assert text_of(got) == "Hello, world! the end"
+        # ... or fails UNAVAILABLE once the engine timeout has passed
+        engine.timeout_s = 0.2
+        outputs = llm.generate("r3", "a b c", common_pb2.SamplingParams(max_tokens=6))
+        await outputs.__anext__()
+        engine.refuse = True
+        engine.lose(engine.submitted[-1][0].request_id, "engine fake-engine:1 went away")
+        with pytest.raises(GenerateError, match="no engine replica could take") as info:
+            async for _ in outputs:
+                pass
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert len(llm.processor) == 0
     finally:
         await llm.close()
 

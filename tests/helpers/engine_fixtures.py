@@ -107,9 +107,8 @@ def hf_greedy(model_source):
 @pytest.fixture
 def make_core(loaded_fp32):
     def make(**overrides) -> EngineCore:
-        # the quantized matmul up to 64 rows, whatever a timing on this machine says: the
-        # tests compare tokens across batch sizes, which should take the same paths everywhere
-        cfg = dict(dtype="float32", device="cpu", kv_cache_gib=0.25, quantized_max_rows=64)
+        # batch-invariant (the default): the tests compare tokens across batch sizes
+        cfg = dict(dtype="float32", device="cpu", kv_cache_gib=0.25)
         cfg.update(overrides)
         return EngineCore(EngineConfig(**cfg), loaded=loaded_fp32)
     return make

@@ -60,21 +60,18 @@ class Service(launch.Service):
     # tests restart services from worker threads (test_soak): a child tied to the thread that
     # started it would get SIGTERM when that thread ends; the test session stops them itself
     die_with_parent: bool = False
-    timed_rows: bool = False  # engine: time the quantized row limit at start, as by default
+    timed_rows: bool = False  # engine: not batch-invariant, the quantized row limit timed at start
 
     def environment(self) -> dict[str, str]:
-        # Engines under test run in float32 unless a test says otherwise: tests compare a
-        # request's text across batch compositions, and bf16 (the default on this CPU) rounds
-        # differently in a batch than alone, which flips a near-tie now and then.
-        # (The container test runs the images at their defaults.)
-        # They also take the quantized matmul up to 64 rows instead of timing where it stops
-        # paying (tests/engine/test_service.py checks the timing): on a machine busy with the
-        # rest of the suite every start would time it again, and the paths would vary.
+        # Engines under test run in float32 unless a test says otherwise: the dtype outputs are
+        # checked against HF transformers in. (The container test runs the images at their defaults.)
+        # timed_rows: --no-batch-invariant, so that the quantized crossover is timed at start
+        # (tests/engine/test_service.py checks the timing).
         defaults = {}
         if self.module == "tessera_engine":
             defaults["TESSERA_DTYPE"] = "float32"
-            if not self.timed_rows:
-                defaults["TESSERA_QUANTIZED_MAX_ROWS"] = "64"
+            if self.timed_rows:
+                defaults["TESSERA_BATCH_INVARIANT"] = "false"
         return {**defaults, **super().environment()}
 
     def wait_serving(self, deadline: float, timeout_s: float | None = STARTUP_TIMEOUT_S) -> None:

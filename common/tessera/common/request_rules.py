@@ -231,3 +231,20 @@ def request_problem(params: Any, prompt_token_ids: Sequence[int], *, vocab_size:
                                      f"tokens of KV cache, more than the engine's KV cache holds "
                                      f"({kv_cache_tokens} tokens)", kv_full_code)
     return None
+
+
+def resumed_problem(resumed: Mapping[int, Sequence[int]], params: Any, vocab_size: int) -> Problem | None:
+    """A migrated request's resumed samples (EngineRequest.resumed): each index one of its n
+    samples, its tokens inside the vocabulary and fewer than max_tokens (a sample that reached
+    max_tokens has finished: there is nothing to resume)."""
+    n = getattr(params, "n", 1) or 1
+    for index, ids in resumed.items():
+        if not 0 <= index < n:
+            return Problem("resumed", f"sample index {index} is not one of the request's n = {n} samples")
+        if len(ids) >= params.max_tokens:
+            return Problem("resumed", f"sample {index} already has {len(ids)} output tokens, max_tokens "
+                                      f"{params.max_tokens}: it has finished")
+        problem = token_ids_problem("resumed", ids, vocab_size)
+        if problem is not None:
+            return problem
+    return None

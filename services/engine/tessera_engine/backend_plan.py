@@ -28,6 +28,8 @@ from tessera_engine.quantized_crossover import crossover_rows
 log = logging.getLogger(__name__)
 
 _CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# quantized_max_rows meaning every batch size (batch invariance: one matmul path for any rows)
+ALL_ROWS = 2**31 - 1
 
 
 def choose_device(setting: str) -> tuple[torch.device, str]:
@@ -86,6 +88,26 @@ def choose_quantized_matmul(setting: str, dtype: torch.dtype, kernels) -> tuple[
     return True, "auto: bfloat16 activations; int8 dot products on AVX512-VNNI"
 
 
+def batch_invariance(config: EngineConfig, kernels, dense: str, rows: int) -> tuple[bool, str]:
+    """Whether a row's results are the same whatever else runs in its step: its matmuls take one
+    path at every batch size (the kernels' quantized and packed bf16 matmuls compute each row
+    alike however many rows there are; F.linear in float32 does not, one row taking a
+    matrix-vector path), and attention computes every row, prefill or decode, as a decode of its
+    own position (the CPU kernels' attention; torch attention uses SDPA for prefill)."""
+    if not config.batch_invariant:
+        return False, "off (--no-batch-invariant): quantized layers switch to the dense weights past a crossover"
+    if kernels is None:
+        return False, "not possible with torch attention: prefill and decode rows take different kernels"
+    if config.quantized_max_rows is not None and 0 < rows < ALL_ROWS:
+        return False, "--quantized-max-rows splits batch sizes between two matmul paths"
+    if dense == "torch":
+        if rows != ALL_ROWS:
+            return False, "dense matmuls in torch (F.linear) compute one row differently from several"
+        return True, ("quantized layers on one path for every batch size (a layer without quantized blocks, "
+                      "on F.linear, is not batch-invariant)")
+    return True, "one matmul path per layer for every batch size, attention computed per row"
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendPlan:
     device: torch.device
@@ -96,6 +118,7 @@ class BackendPlan:
     keep_quantized: bool        # a GGUF file's quantized blocks are kept beside the dense weights
     quantized_matmul: str       # how they are multiplied: int8, exact (ops.quantized_path), none
     quantized_max_rows: int     # layers with quantized blocks run them up to this many rows (0: never)
+    batch_invariant: bool       # a row's results do not depend on the rows beside it (as far as the plan can)
     token_budget: int           # tokens one step may compute
     why: types.MappingProxyType  # each decision's reason, by name
 
@@ -112,7 +135,8 @@ class BackendPlan:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "attention": self.attention_name, "ops": self.ops.name, "dense_matmul": self.dense_matmul,
                 "keep_quantized": self.keep_quantized, "quantized_matmul": self.quantized_matmul,
-                "quantized_max_rows": self.quantized_max_rows,
+                "quantized_max_rows": "all" if self.quantized_max_rows == ALL_ROWS else self.quantized_max_rows,
+                "batch_invariant": self.batch_invariant,
                 "token_budget": self.token_budget,
                 "why": dict(self.why)}
 
@@ -173,11 +197,15 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
         rows, why["quantized_max_rows"] = config.quantized_max_rows, "set by --quantized-max-rows"
     elif not loaded.model.has_quantized():
         rows, why["quantized_max_rows"] = 0, "the checkpoint has no quantized weights the kernels take"
+    elif config.batch_invariant:
+        rows, why["quantized_max_rows"] = ALL_ROWS, ("batch-invariant: every batch size on the quantized matmul, "
+                                                     "whose rows are computed alike however many run")
     else:
         rows, why["quantized_max_rows"] = crossover_rows(loaded.model, ops, dtype)
+    invariant, why["batch_invariant"] = batch_invariance(config, kernels, dense, rows)
 
     budget, why["token_budget"] = choose_token_budget(config.max_num_batched_tokens, device)
     plan = BackendPlan(device, dtype, kernels, ops, dense, keep, ops.quantized_matmul if keep else "none", rows,
-                       budget, types.MappingProxyType(why))
+                       invariant, budget, types.MappingProxyType(why))
     log.info("backend plan", extra=plan.describe())
     return plan, loaded

@@ -52,8 +52,12 @@ class EngineConfig:
     # file has them for the CPU kernels' quantized matmul
     gguf_dequantize: bool = False
     # batches up to this many rows run a layer with quantized blocks on the quantized matmul,
-    # larger ones on the dense weights (0: never); None: timed at start (quantized_crossover.py)
+    # larger ones on the dense weights (0: never); None: every batch size when batch_invariant,
+    # else timed at start (quantized_crossover.py)
     quantized_max_rows: int | None = None
+    # a row's results never depend on how many rows run beside it (one matmul path for every
+    # batch size): the same greedy request gives the same text alone, batched, cached or chunked
+    batch_invariant: bool = True
     # how that quantized matmul computes: exact (each block dequantized to the activations'
     # dtype, bit for bit the dequantized weights), int8 (activations quantized to int8 per
     # 16 values, integer dot products: llama.cpp's method) or auto (backend_plan)

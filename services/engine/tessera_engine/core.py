@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable
 
-from tessera.common.request_rules import SamplingCaps, request_problem
+from tessera.common.request_rules import SamplingCaps, request_problem, resumed_problem
 from tessera_engine.config import EngineConfig
 from tessera_engine.executor import Executor
 from tessera_engine.kv_cache import KVCacheManager
@@ -97,7 +97,11 @@ class EngineCore:
                 "RESOURCE_EXHAUSTED",
                 f"the engine's waiting queue is full ({self.scheduler.num_waiting} samples waiting, "
                 f"--max-waiting-requests {cap}); retry later")
-        if any((req.request_id, i) in self.scheduler.requests for i in range(p.n)):
+        if req.resumed:
+            problem = resumed_problem(req.resumed, p, self.vocab_size)
+            if problem is not None:
+                raise RequestRejected("INVALID_ARGUMENT", str(problem))
+        if any((req.request_id, i) in self.scheduler.requests for i in req.sample_indices()):
             raise RequestRejected("ALREADY_EXISTS", f"request_id {req.request_id!r} is already running")
 
     def _blocks_needed(self, num_tokens: int) -> int:
@@ -113,7 +117,7 @@ class EngineCore:
         self.check_request(req)
         eos = req.eos_token_ids or self.default_eos
         spec = req.sampling_params.structured
-        for i in range(req.sampling_params.n):
+        for i in req.sample_indices():
             sample = Sample(req, i, eos)
             if spec is not None:
                 sample.constraint = Constraint(self.structured, spec)

@@ -6,8 +6,6 @@ import enum
 import time
 from typing import NamedTuple
 
-import torch
-
 from tessera_engine.sampling_params import SamplingParams
 
 
@@ -38,12 +36,19 @@ class EngineCoreRequest:
     client_id: str = ""  # which session (frontend stream) gets the outputs
     # When this engine received it (unix seconds): the start of its queue time.
     received_time: float = dataclasses.field(default_factory=time.time)
+    # A request migrated from another replica: sample index -> the output tokens it already
+    # produced; only these samples run, each continuing after its tokens. None: a new request.
+    resumed: dict[int, list[int]] | None = None
+
+    def sample_indices(self) -> list[int]:
+        return sorted(self.resumed) if self.resumed else list(range(self.sampling_params.n))
 
 
 class Sample:
     """One sample of an EngineCoreRequest; n > 1 makes n of these (index 0..n-1)."""
 
     def __init__(self, core_req: EngineCoreRequest, index: int, eos_token_ids: list[int]) -> None:
+        resumed = list((core_req.resumed or {}).get(index, ()))
         self.request_id = core_req.request_id
         self.index = index
         self.key = SampleKey(core_req.request_id, index)
@@ -55,15 +60,18 @@ class Sample:
         self.arrival_time = core_req.arrival_time
         self.eos_token_ids = set(eos_token_ids)
         self.stop_token_ids = set(self.params.stop_token_ids)
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # a resumed sample's earlier outputs are computed with the prompt, as after a preemption
+        self.all_token_ids: list[int] = self.prompt_token_ids + resumed
+        self.output_token_ids: list[int] = resumed
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from prefix cache, set on first schedule
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
-        self.generator: torch.Generator | None = None  # made by the sampler when seeded
+        # the seed its draws are keyed on (sampler.counter_uniform); an unseeded sample gets one
+        # from the sampler at its first draw (the frontend seeds every request at admission)
+        self.seed: int | None = self.params.seed
         self.constraint = None  # structured_output.Constraint, set by EngineCore.add_request
-        self.prompt_logprobs_done = self.params.prompt_logprobs is None
+        self.prompt_logprobs_done = self.params.prompt_logprobs is None or bool(resumed)
         self.prompt_logprobs: list = []  # gathered over prefill chunks, sent with the first token
         # Timestamps (unix seconds) for the request metrics: queue = first scheduled - queued,
         # prefill = first token - first scheduled, decode = last token - first token.

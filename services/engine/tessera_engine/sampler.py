@@ -4,14 +4,17 @@ Order per row: penalties (repetition on prompt + output, presence and
 frequency on output), logit_bias, the output constraint's mask (structured
 output: tokens it does not allow next are masked), min_tokens (stop tokens
 masked), then greedy argmax or
-temperature → top-k → top-p → min-p → a draw. Draws use the exponential-race
-trick (argmax of p / E, E ~ Exp(1)), where each seeded request draws E from its
-own generator, so its tokens do not depend on what else is in the batch.
+temperature → top-k → top-p → min-p → a draw. A draw inverts the row's cumulative
+distribution at one uniform number that is a counter-based hash of (seed, sample index,
+output position): a sample's tokens depend on its own probabilities only, never on what
+else is in the batch, how often it was preempted, or which engine replica draws them (a
+request that migrates continues exactly as it would have).
 Logprobs are the model's raw log-softmax (as vLLM v1 returns by default).
 """
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import torch
 
@@ -36,6 +39,32 @@ def compute_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int):
     return chosen_lp, rank, top_ids, top_lp
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's step: a bijective hash of 64 bits."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def counter_uniform(seed: int, sample: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends on (seed, sample index, output position) only."""
+    h = _mix64(_mix64(_mix64(seed & _M64) ^ (sample & _M64)) ^ (position & _M64))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def draw_rows(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """One token per row of probs [B, V] (each row's own scale), by inverting its cumulative
+    sum (float64) at that row's uniform: the first token whose cumulative mass exceeds u * total,
+    never a token of probability 0."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = torch.tensor(uniforms, dtype=torch.float64, device=probs.device) * cdf[:, -1]
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
 class _Unconstrained:
     constraint = None
 
@@ -48,18 +77,17 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
         self.ops = ops or TorchOps()  # the model runner's op backend (the greedy fast path's argmax)
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(0)
+        self._seeds = random.Random(0)  # seeds for samples that came without one
 
     def seed(self, seed: int) -> None:
-        self.generator.manual_seed(seed)
+        """Seed what gives unseeded samples their seeds (the engine's --seed)."""
+        self._seeds.seed(seed)
 
-    def _generator_for(self, req: Sample) -> torch.Generator:
-        """The request's own generator, seeded with seed + sample index on first use."""
-        if req.generator is None:
-            req.generator = torch.Generator(device=self.device)
-            req.generator.manual_seed(req.params.seed + req.index)
-        return req.generator
+    def _uniform(self, req: Sample) -> float:
+        """The uniform number of this sample's next draw."""
+        if req.seed is None:
+            req.seed = self._seeds.getrandbits(63)
+        return counter_uniform(req.seed, req.index, req.num_output_tokens)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Sample]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
@@ -171,15 +199,7 @@ class Sampler:
             sub = sub / temp
             sub = self._top_k_top_p_min_p(sub, params)
             probs = torch.softmax(sub, dim=-1)
-            noise = torch.empty_like(probs)
-            unseeded = [j for j, i in enumerate(random_rows) if reqs[i].params.seed is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                    generator=self.generator)
-            for j, i in enumerate(random_rows):
-                if reqs[i].params.seed is not None:
-                    noise[j].exponential_(generator=self._generator_for(reqs[i]))
-            tokens[idx] = (probs / noise).argmax(dim=-1)
+            tokens[idx] = draw_rows(probs, [self._uniform(reqs[i]) for i in random_rows])
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(reqs)

@@ -7,9 +7,13 @@ one EngineStepOutputs message per step. Closing a session aborts its requests.
 
 Drain (SIGTERM / SIGINT): health turns NOT_SERVING at once, new requests on open
 sessions are refused with UNAVAILABLE (the frontend retries a request that has no
-token yet on another replica), requests in flight run to the end for up to
---drain-timeout-s, then every session is closed (OK) and the process exits 0. What
-is still running when the time is up is aborted.
+token yet on another replica). With --drain-mode handoff (the default) every session is
+told so at once (EngineStepOutputs.handoff): a frontend with another replica serving moves
+its requests there (they continue exactly: EngineRequest.resumed) and aborts them here, so
+the drain ends as soon as they are gone; with `wait`, or where no other replica serves,
+requests in flight run to the end. Either way, after at most --drain-timeout-s every
+session is closed (OK) and the process exits 0; what is still running then is aborted
+(and the frontend migrates it).
 
 Health is SERVING only while the model is loaded and the core loop runs: a watcher
 turns it NOT_SERVING when the loop dies or one step runs past --step-timeout-s (the
@@ -61,6 +65,8 @@ EXIT_AFTER_FAILURE_S = 3.0  # NOT_SERVING and the sessions' UNAVAILABLE go out b
 _LOOP_DIED = object()  # put on every session queue when the core loop dies
 _INPUTS_ENDED = object()  # put on a session's queue when its client's inputs end
 _DRAINED = object()  # put on every session queue when the drain is over: the session ends (OK)
+_HANDOFF = object()  # put on every session queue when a handoff drain starts: the frontend is told
+DRAIN_MODES = ("handoff", "wait")
 DRAINING_MESSAGE = "engine is draining (shutting down): the request was not started; retry it on another replica"
 
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "stop": common_pb2.FINISH_REASON_STOP,
@@ -101,8 +107,10 @@ def stats_to_proto(s: EngineStats) -> engine_pb2.EngineStats:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, config: EngineConfig, health: Health, request_stop: Callable[[], None]) -> None:
+    def __init__(self, config: EngineConfig, health: Health, request_stop: Callable[[], None],
+                 drain_mode: str = "handoff") -> None:
         self.config = config
+        self.drain_mode = drain_mode
         self.health = health
         self.request_stop = request_stop  # the process's stop (the watcher's, on a dead or stuck loop)
         self.failure: str | None = None   # why the loop is dead or stuck, once it is (the process then exits 1)
@@ -219,8 +227,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         (GrpcServer.stop runs it once health is NOT_SERVING)."""
         self.draining = True
         log.info("draining", extra={"in_flight": len(self._in_flight), "sessions": len(self.sessions),
-                                    "drain_timeout_s": timeout_s})
+                                    "drain_timeout_s": timeout_s, "drain_mode": self.drain_mode})
         started = time.monotonic()
+        if self.drain_mode == "handoff":
+            for q in self.sessions.values():
+                q.put_control(_HANDOFF)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except asyncio.TimeoutError:
@@ -269,6 +280,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, self.failure)
                 if item is _DRAINED:
                     break
+                if item is _HANDOFF:
+                    item = engine_pb2.EngineStepOutputs(handoff=True)
                 yield item
         finally:
             reader.cancel()
@@ -283,7 +296,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             request_id=pb.request_id, prompt_token_ids=list(pb.prompt_token_ids),
             sampling_params=SamplingParams.from_proto(pb.sampling_params), priority=pb.priority,
             arrival_time=pb.arrival_time or time.time(), eos_token_ids=list(pb.eos_token_ids) or None,
-            client_id=client_id)
+            client_id=client_id, resumed={r.index: list(r.output_token_ids) for r in pb.resumed} or None)
         try:
             if not pb.request_id:
                 raise RequestRejected("INVALID_ARGUMENT", "request_id is empty")
@@ -296,7 +309,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self.metrics.record_finished(out)  # the request's one log line
             q.put_step(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)]))
             return
-        self._in_flight.add((client_id, pb.request_id), req.sampling_params.n)
+        self._in_flight.add((client_id, pb.request_id), len(req.sample_indices()))
         self._idle.clear()
         log.debug("request added", extra={"request_id": client_request_id(pb.request_id),
                                           "engine_request_id": pb.request_id,
@@ -348,7 +361,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--idle-batch-wait-ms", "TESSERA_IDLE_BATCH_WAIT_MS", 50.0, type=float,
              help="an idle engine told that more requests are coming (a burst) waits this long at most for "
                   "them before its first step (0: never)")
-    add_flag(p, "--seed", "TESSERA_SEED", 0, type=int, help="seed of the sampler's shared generator")
+    add_flag(p, "--seed", "TESSERA_SEED", 0, type=int,
+             help="seeds the seeds of requests that come without one (the frontend seeds every request)")
+    add_flag(p, "--drain-mode", "TESSERA_DRAIN_MODE", "handoff", choices=list(DRAIN_MODES),
+             help="on SIGTERM: handoff (the frontends move the requests in flight to another serving replica, "
+                  "where they continue exactly; those with nowhere to go finish here) or wait (every request "
+                  "finishes here); either way for --drain-timeout-s at most")
     add_flag(p, "--num-threads", "TESSERA_NUM_THREADS", None, type=int, help="torch CPU threads")
     add_flag(p, "--cpu-threads-bind", "TESSERA_CPU_THREADS_BIND", "auto",
              help="CPU: bind each compute thread to one CPU. auto: when the threads fill the CPUs this "
@@ -363,8 +381,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "as the file has them and their quantized matmul runs small batches on them)")
     add_flag(p, "--quantized-max-rows", "TESSERA_QUANTIZED_MAX_ROWS", None, type=int,
              help="GGUF on CPU: batches up to this many rows run a layer's quantized blocks on the quantized "
-                  "matmul, larger ones its dense weights (0: never; default: timed at first start on this "
-                  "CPU and model, then cached)")
+                  "matmul, larger ones its dense weights (0: never; default: every batch size with "
+                  "--batch-invariant, else timed at first start on this CPU and model, then cached)")
+    add_flag(p, "--batch-invariant", "TESSERA_BATCH_INVARIANT", True, type=bool,
+             help="a row's results never depend on the batch it runs in: every batch size takes the same "
+                  "matmul path, so the same greedy request gives the same text alone, batched, cached or "
+                  "chunked (off: a layer with quantized blocks takes its dense weights past the timed "
+                  "--quantized-max-rows crossover, faster for large batches)")
     add_flag(p, "--quantized-matmul", "TESSERA_QUANTIZED_MATMUL", "auto", choices=["auto", "int8", "exact"],
              help="GGUF on CPU: how the quantized matmul computes: int8 (activations quantized to int8 per "
                   "16 values, integer dot products on AVX512-VNNI, as llama.cpp; Q4_0, Q4_1, Q8_0 "
@@ -399,7 +422,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
         gguf_dequantize=args.gguf_dequantize, quantized_max_rows=args.quantized_max_rows,
-        quantized_matmul=args.quantized_matmul)
+        quantized_matmul=args.quantized_matmul, batch_invariant=args.batch_invariant)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -409,7 +432,7 @@ async def serve(args: argparse.Namespace) -> int:
     config.validate()
     log.info("memory allocator", extra=allocator.in_use())
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s)
-    servicer = EngineServicer(config, grpc_server.health, grpc_server.request_stop)
+    servicer = EngineServicer(config, grpc_server.health, grpc_server.request_stop, args.drain_mode)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, grpc_server.server)
     if await grpc_server.try_start(args.host, args.port, args.metrics_port, tls=tls.server_tls(args)) is None:
         return 1

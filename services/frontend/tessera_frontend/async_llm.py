@@ -12,9 +12,18 @@ Bursts: each submission tells the engine whether more requests are still being
 prepared here (SessionInput.more_coming), so that an idle engine starts a burst of
 concurrent requests in one step.
 
-A request that fails with UNAVAILABLE before it produced any token (its engine replica
-died, or refused it while draining on SIGTERM) is submitted again to another replica,
-up to MAX_ATTEMPTS replicas in all; the client sees one request.
+Migration: when a replica's session breaks (the process killed, the node lost, the step
+watchdog, a drain that ran out) or a draining replica hands its requests off, every
+request it held continues on another replica: the same EngineRequest (prompt, sampling
+parameters, seed) with `resumed`, each running sample's tokens so far (every token the
+engine sent, delivered or still with the detokenizer). The new replica prefills them and
+continues each sample at the same output position of the same seed, so the text goes on
+exactly as it would have; the detokenize state, usage and stop-string matching stay here,
+untouched. A request migrates at most MAX_MIGRATIONS times, then fails UNAVAILABLE; with no
+replica serving it waits up to the engine timeout (--engine-timeout-s) for one.
+A request that an engine refuses with UNAVAILABLE before it produced any token (a
+draining replica) is submitted again to another one, up to MAX_ATTEMPTS replicas in all;
+the client sees one request either way.
 
 If the consumer goes away first (the call is cancelled or the generator is closed),
 the request is aborted in the engine and cancelled on the detokenize stream. Failures
@@ -37,7 +46,9 @@ engine), and still greppable by the client's id in every service's logs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
 import uuid
 from typing import AsyncIterator, Sequence, Union
@@ -46,6 +57,7 @@ import grpc
 
 from tessera.common.request_rules import Problem, request_problem, token_ids_problem
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
+from tessera_frontend import metrics
 from tessera_frontend.engine_client import EngineCoreClient, NoReplicaError
 from tessera_frontend.grpc_util import StatusError
 from tessera_frontend.output_processor import (Failure, OutputProcessor, OutputProcessorOutput, RequestState,
@@ -57,6 +69,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16  # vLLM's default
 READY_WAIT_S = 3.0  # how long a request waits for the backends before UNAVAILABLE
 MAX_ATTEMPTS = 3  # replicas a request that produced nothing yet is tried on (see _may_retry)
+MAX_MIGRATIONS = 4  # times one request may move to another replica before it fails
+MIGRATE_POLL_S = 0.05  # while no replica can take a migrating request: how often to look again
 
 # Raw text, chat messages (rendered with the chat template), or token ids.
 Prompt = Union[str, tokenizer_pb2.ChatMessages, Sequence[int]]
@@ -71,6 +85,17 @@ class GenerateError(StatusError):
         return cls(grpc.StatusCode[problem.code], str(problem))
 
 
+@dataclasses.dataclass
+class _Submission:
+    """A request as sent to an engine: what a migration sends again, and its migrations."""
+    client_id: str
+    request: engine_pb2.EngineRequest
+    replica: str
+    migrations: int = 0
+    lost_at: float | None = None  # time.monotonic() of its last migration, until its next output
+    task: asyncio.Task | None = None  # a migration waiting for a replica
+
+
 class AsyncLLM:
     """Tokenizer + engine replicas + output processor behind one generate() call."""
 
@@ -83,12 +108,14 @@ class AsyncLLM:
         self._preparing = 0  # requests inside generate() not yet submitted (being tokenized)
         self.processor = OutputProcessor(tokenizer)
         self._delivery: asyncio.Task | None = None
+        self._submissions: dict[str, _Submission] = {}  # by engine request id
+        self._awaiting_output: set[str] = set()  # migrated, no output from the new replica yet
 
     def start(self) -> None:
         """Start the background tasks: the tokenizer streams, output delivery, the engine replicas."""
         self.tokenizer.start()
         self._delivery = asyncio.create_task(self._deliver_outputs(), name="output-delivery")
-        self.engine.start(self._on_engine_step, self._on_engine_lost)
+        self.engine.start(self._on_engine_step, self._on_engine_lost, self._on_handoff)
 
     async def close(self) -> None:
         await self.engine.close()
@@ -148,14 +175,14 @@ class AsyncLLM:
             held: dict[int, SampleOutput] = {}  # per choice: output not yet yielded (stream_interval)
             started: set[int] = set()  # choices whose first output went out
             try:
+                request = engine_pb2.EngineRequest(
+                    request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
+                    priority=priority, arrival_time=arrival, eos_token_ids=self.tokenizer.model_info.eos_token_ids)
                 try:
-                    replica = self.engine.submit(engine_pb2.EngineRequest(
-                        request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                        priority=priority, arrival_time=arrival,
-                        eos_token_ids=self.tokenizer.model_info.eos_token_ids), n,
-                        more_coming=self._preparing > 0, exclude=tried)
+                    replica = self.engine.submit(request, n, more_coming=self._preparing > 0, exclude=tried)
                 except NoReplicaError as exc:
                     raise GenerateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+                self._submissions[engine_id] = _Submission(request_id, request, replica)
                 tried.append(replica)
                 log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,
                                                      "engine": replica, "attempt": len(tried),
@@ -191,6 +218,7 @@ class AsyncLLM:
                     started.add(out.index)
                     yield out
             finally:
+                self._forget_submission(engine_id)
                 self._abort_in_engine(self.processor.release(engine_id))
                 if not retry:
                     # DEBUG: the API layer's "request finished" line is the request's INFO record of its end
@@ -237,9 +265,13 @@ class AsyncLLM:
 
     def _with_defaults(self, params: common_pb2.SamplingParams, prompt_len: int,
                        default_max_tokens: int | None) -> common_pb2.SamplingParams:
-        """A copy with the defaults the frontend owns made explicit (max_tokens, n)."""
+        """A copy with the defaults the frontend owns made explicit (max_tokens, n, and a seed: the
+        engine keys every draw on (seed, sample, position), so a seeded request continues on
+        another replica exactly as it would have)."""
         out = common_pb2.SamplingParams()
         out.CopyFrom(params)
+        if not out.HasField("seed"):
+            out.seed = secrets.randbits(63)
         if not out.HasField("max_tokens"):
             limit = self.max_model_len
             if default_max_tokens is None:
@@ -263,8 +295,27 @@ class AsyncLLM:
     async def _on_engine_step(self, step: engine_pb2.EngineStepOutputs) -> None:
         """An engine replica's step: send its tokens to the tokenizer (delivery follows in order);
         hold the replica's reader while too many steps wait for the tokenizer."""
+        if self._awaiting_output:
+            self._note_migrated_outputs(step)
         self._abort_in_engine(self.processor.process_step(step))
         await self.processor.throttle()
+
+    def _note_migrated_outputs(self, step: engine_pb2.EngineStepOutputs) -> None:
+        """The migration delay of requests whose new replica sent its first output."""
+        now = time.monotonic()
+        for output in step.outputs:
+            if output.request_id in self._awaiting_output:
+                self._awaiting_output.discard(output.request_id)
+                sub = self._submissions.get(output.request_id)
+                if sub is not None and sub.lost_at is not None:
+                    metrics.MIGRATION_DELAY.observe(now - sub.lost_at)
+                    sub.lost_at = None
+
+    def _forget_submission(self, engine_id: str) -> None:
+        sub = self._submissions.pop(engine_id, None)
+        self._awaiting_output.discard(engine_id)
+        if sub is not None and sub.task is not None and sub.task is not asyncio.current_task():
+            sub.task.cancel()
 
     async def _deliver_outputs(self) -> None:
         """The delivery loop: each step's outputs to their requests, in the order the steps came."""
@@ -272,7 +323,71 @@ class AsyncLLM:
             self._abort_in_engine(await self.processor.deliver_next())
 
     def _on_engine_lost(self, request_ids: list[str], reason: str) -> None:
-        self._abort_in_engine(self.processor.fail(request_ids, Failure(grpc.StatusCode.UNAVAILABLE, reason)))
+        """A replica's session broke: its requests migrate (or fail, past MAX_MIGRATIONS)."""
+        self._migrate(request_ids, reason, "lost")
+
+    def _on_handoff(self, request_ids: list[str], reason: str) -> bool:
+        """A draining replica offers its requests: they migrate when another replica serves now
+        (True); else they stay and finish there (False)."""
+        if not self.engine.ready:
+            return False
+        self._migrate(request_ids, reason, "handoff")
+        return True
+
+    def _migrate(self, request_ids: list[str], reason: str, why: str) -> None:
+        failed: list[str] = []
+        for engine_id in request_ids:
+            sub = self._submissions.get(engine_id)
+            resumed = self.processor.resume_point(engine_id)
+            if sub is None or not resumed:
+                continue  # released, or every sample already finished in the engine
+            if sub.migrations >= MAX_MIGRATIONS:
+                metrics.MIGRATION_FAILURES.labels("attempts").inc()
+                failed.append(engine_id)
+                continue
+            sub.migrations += 1
+            sub.lost_at = time.monotonic()
+            request = engine_pb2.EngineRequest()
+            request.CopyFrom(sub.request)
+            for index, ids in resumed.items():
+                request.resumed.add(index=index, output_token_ids=ids)
+            if any(resumed.values()):  # the prompt's logprobs went out with the first output
+                request.sampling_params.ClearField("prompt_logprobs")
+            sub.task = asyncio.create_task(self._resubmit(engine_id, sub, request, reason, why),
+                                           name=f"migrate-{engine_id}")
+        if failed:
+            self._abort_in_engine(self.processor.fail(failed, Failure(
+                grpc.StatusCode.UNAVAILABLE, f"{reason} (the request moved replicas {MAX_MIGRATIONS} times already)")))
+
+    async def _resubmit(self, engine_id: str, sub: _Submission, request: engine_pb2.EngineRequest,
+                        reason: str, why: str) -> None:
+        """Submit a migrating request to a replica that can take it, waiting for one up to the
+        engine timeout."""
+        deadline = time.monotonic() + self.engine.timeout_s
+        resumed_tokens = sum(len(r.output_token_ids) for r in request.resumed)
+        while self._submissions.get(engine_id) is sub:
+            try:
+                to = self.engine.submit(request, len(request.resumed))
+            except NoReplicaError:
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(MIGRATE_POLL_S)
+                continue
+            metrics.MIGRATIONS.labels(why).inc()
+            metrics.MIGRATION_RECOMPUTED_TOKENS.inc(len(request.prompt_token_ids) + resumed_tokens)
+            self._awaiting_output.add(engine_id)
+            log.warning("request migrated", extra={
+                "request_id": sub.client_id, "engine_request_id": engine_id, "from": sub.replica, "to": to,
+                "why": why, "reason": reason, "migration": sub.migrations, "resumed_tokens": resumed_tokens,
+                "samples": len(request.resumed)})
+            sub.replica, sub.task = to, None
+            return
+        if self._submissions.get(engine_id) is sub:
+            sub.task = None
+            metrics.MIGRATION_FAILURES.labels("no_replica").inc()
+            self._abort_in_engine(self.processor.fail([engine_id], Failure(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{reason}; no engine replica could take the request within {self.engine.timeout_s:g} s")))
 
     def _abort_in_engine(self, result: OutputProcessorOutput) -> None:
         if result.reqs_to_abort:

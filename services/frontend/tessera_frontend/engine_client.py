@@ -15,9 +15,13 @@ session broken off, so that its requests fail (or are retried, if they have no t
 yet) instead of waiting for ever.
 
 If a Session stream breaks, the requests in flight on it are reported to the lost
-handler (they fail with UNAVAILABLE rather than hang: the engine aborted them when
-the stream closed) and the replica reconnects once it is SERVING again; the router
-forgets its prefix-cache affinity, since a restarted engine starts cold.
+handler (AsyncLLM migrates them to another replica: the engine aborted them when the
+stream closed) and the replica reconnects once it is SERVING again; the router
+forgets its prefix-cache affinity, since a restarted engine starts cold. A replica that
+says it drains with handoff (EngineStepOutputs.handoff) gets no new requests, and its
+requests in flight are offered to the handoff handler: those it takes (another replica
+serves) are aborted there. Only the outputs of requests still in flight on a replica
+are passed on, so a request that moved never gets a late output from where it was.
 
 `EngineCoreClient` holds the replica set: it resolves the configured entries (see
 `discovery`) at start and every `resolve_interval_s`, adds a replica for each new
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 
 StepHandler = Callable[[engine_pb2.EngineStepOutputs], Awaitable[None]]
 LostHandler = Callable[[list[str], str], None]
+HandoffHandler = Callable[[list[str], str], bool]  # True: the requests were taken elsewhere
 
 HEALTH_POLL_S = 0.5            # while disconnected: how often to ask whether the engine is back
 HEALTH_CHECK_INTERVAL_S = 1.0  # while connected: how often to check the engine's health
@@ -89,6 +94,7 @@ class EngineReplica:
         self.info: engine_pb2.EngineInfo | None = None
         self.healthy = False
         self.retired = False  # its address left the resolved set: no new requests
+        self.draining = False  # it said it drains (handoff), until its next session: no new requests
         self.sessions_opened = 0
         self._in_flight: OpenSamples[str] = OpenSamples()  # by request id
         self._outbox: asyncio.Queue | None = None
@@ -100,7 +106,7 @@ class EngineReplica:
 
     @property
     def ready(self) -> bool:
-        return self.connected and not self.retired
+        return self.connected and not self.retired and not self.draining
 
     @property
     def available(self) -> bool:
@@ -135,16 +141,30 @@ class EngineReplica:
                 if output.finish_reason != _RUNNING
                 and self._in_flight.finish(output.request_id, output.finish_reason == common_pb2.FINISH_REASON_ERROR)]
 
+    def _in_flight_only(self, step: engine_pb2.EngineStepOutputs) -> engine_pb2.EngineStepOutputs:
+        """The step's outputs of requests in flight here (a request handed off is not)."""
+        if all(o.request_id in self._in_flight for o in step.outputs):
+            return step
+        return engine_pb2.EngineStepOutputs(outputs=[o for o in step.outputs if o.request_id in self._in_flight])
+
+    def _hand_off(self, on_handoff: HandoffHandler) -> None:
+        self.draining = True
+        ids = list(self._in_flight)
+        log.info("engine replica drains with handoff", extra={"engine": self.addr, "in_flight": len(ids)})
+        if ids and on_handoff(ids, f"engine {self.addr} is draining"):
+            self.abort(ids)
+
     async def run(self, on_step: StepHandler, on_lost: LostHandler,
                   on_done: Callable[[Iterable[str]], None],
-                  on_session_open: Callable[["EngineReplica"], None] = lambda r: None) -> None:
+                  on_session_open: Callable[["EngineReplica"], None] = lambda r: None,
+                  on_handoff: HandoffHandler = lambda ids, reason: False) -> None:
         """Supervise the replica until cancelled: wait for SERVING, open the session, reconnect on failure."""
         while True:
             while not await is_serving(self.channel):
                 await asyncio.sleep(HEALTH_POLL_S)
             try:
                 self.info = await self.stub.GetInfo(engine_pb2.EngineInfoRequest(), timeout=10)
-                reason = await self._serve_session(on_step, on_done, on_session_open)
+                reason = await self._serve_session(on_step, on_done, on_session_open, on_handoff)
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             except Exception as exc:  # a bug in step handling: fail this session's requests, go on
@@ -158,11 +178,12 @@ class EngineReplica:
             await asyncio.sleep(RECONNECT_DELAY_S)
 
     async def _serve_session(self, on_step: StepHandler, on_done: Callable[[Iterable[str]], None],
-                             on_session_open: Callable[["EngineReplica"], None]) -> str:
+                             on_session_open: Callable[["EngineReplica"], None], on_handoff: HandoffHandler) -> str:
         outbox: asyncio.Queue = asyncio.Queue()
         call = self.stub.Session(drain(outbox, merge=_merge_inputs))
         self._outbox = outbox
         self.healthy = True
+        self.draining = False
         self.sessions_opened += 1
         on_session_open(self)
         self.last_heard = time.monotonic()
@@ -171,6 +192,10 @@ class EngineReplica:
         try:
             async for step in watched(call, self._check_health, HEALTH_CHECK_INTERVAL_S):
                 self.last_heard = time.monotonic()
+                if step.handoff:
+                    self._hand_off(on_handoff)
+                    continue
+                step = self._in_flight_only(step)
                 on_done(self._note_finished(step))
                 await on_step(step)
             return "the engine closed the session"
@@ -224,22 +249,29 @@ class EngineCoreClient:
         self._replicas: dict[str, EngineReplica] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._where: dict[str, EngineReplica] = {}
-        self._handlers: tuple[StepHandler, LostHandler] | None = None
+        self._handlers: tuple[StepHandler, LostHandler, HandoffHandler] | None = None
         self._discovery: asyncio.Task | None = None
 
     @property
     def replicas(self) -> list[EngineReplica]:
         return list(self._replicas.values())
 
-    def start(self, on_step: StepHandler, on_lost: LostHandler) -> None:
-        """Resolve the entries and supervise each replica; steps go to `on_step`, broken streams to `on_lost`."""
-        self._handlers = (on_step, on_lost)
+    def start(self, on_step: StepHandler, on_lost: LostHandler,
+              on_handoff: HandoffHandler = lambda ids, reason: False) -> None:
+        """Resolve the entries and supervise each replica; steps go to `on_step`, broken streams to
+        `on_lost`, a draining replica's requests to `on_handoff`."""
+        self._handlers = (on_step, on_lost, on_handoff)
         self._discovery = asyncio.create_task(self._discover(), name="engine-discovery")
 
     @property
     def ready(self) -> bool:
         """Some replica is connected and answers SERVING (the frontend's own health follows this)."""
         return any(r.available for r in self._replicas.values())
+
+    @property
+    def timeout_s(self) -> float:
+        """--engine-timeout-s: how long a replica may stay silent, and a migrating request may wait for one."""
+        return self._stall_timeout_s
 
     def _limit(self, value: Callable[[engine_pb2.EngineInfo], int]) -> int | None:
         values = [value(r.info) for r in self._replicas.values() if r.info and not r.retired]
@@ -320,7 +352,7 @@ class EngineCoreClient:
                 await self._remove(addr)
 
     def _add(self, addr: str, entry: str) -> None:
-        on_step, on_lost = self._handlers
+        on_step, on_lost, on_handoff = self._handlers
 
         def lost(request_ids: list[str], reason: str) -> None:
             self._forget(request_ids)
@@ -332,7 +364,13 @@ class EngineCoreClient:
 
         replica = EngineReplica(addr, entry, self._stall_timeout_s, self._tls)
         self._replicas[addr] = replica
-        self._tasks[addr] = asyncio.create_task(replica.run(on_step, lost, self._forget, session_open),
+        def handoff(request_ids: list[str], reason: str) -> bool:
+            taken = on_handoff(request_ids, reason)
+            if taken:
+                self._forget(request_ids)
+            return taken
+
+        self._tasks[addr] = asyncio.create_task(replica.run(on_step, lost, self._forget, session_open, handoff),
                                                 name=f"engine-{addr}")
         log.info("engine replica added", extra={"engine": addr, "engine_entry": entry})
 

@@ -55,6 +55,28 @@ REJECTED = Counter(
     "Requests turned away by admission control before reaching the engine, by reason.",
     ["api", "reason"])
 
+# Migration (async_llm): a request whose engine replica was lost or handed it off continues on another.
+MIGRATIONS = Counter(
+    "tessera:requests_migrated",
+    "Requests moved to another engine replica mid-answer, by why (lost: its session broke; handoff: "
+    "its replica drained).", ["reason"])
+MIGRATION_RECOMPUTED_TOKENS = Counter(
+    "tessera:migration_recomputed_tokens",
+    "Tokens sent again to the replica a request migrated to (prompt + outputs so far), which it "
+    "prefills (less what its prefix cache holds).")
+MIGRATION_DELAY = Histogram(
+    "tessera:migration_delay_seconds",
+    "From losing a request's replica to the first output of the replica it migrated to.",
+    buckets=TTFT_BUCKETS)
+MIGRATION_FAILURES = Counter(
+    "tessera:migration_failures",
+    "Requests that could not migrate and failed UNAVAILABLE, by why (attempts: moved too often; "
+    "no_replica: none serving within --engine-timeout-s).", ["reason"])
+for _reason in ("lost", "handoff"):
+    MIGRATIONS.labels(_reason)
+for _reason in ("attempts", "no_replica"):
+    MIGRATION_FAILURES.labels(_reason)
+
 for _api in APIS:
     for _family in (TIME_TO_FIRST_TOKEN, INTER_TOKEN_LATENCY, TIME_PER_OUTPUT_TOKEN, E2E_LATENCY, IN_FLIGHT):
         _family.labels(_api)

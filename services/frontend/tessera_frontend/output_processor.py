@@ -144,6 +144,7 @@ class _Sample:
     opened_in: int | None = None  # detokenize stream generation it was opened on
     tokenizer_done: bool = False  # the tokenizer has forgotten it (finished, stopped or cancelled)
     engine_done: bool = False     # the engine has sent its final output
+    engine_ids: list[int] = dataclasses.field(default_factory=list)  # every token the engine sent for it
     done: bool = False            # its final SampleOutput has been delivered
     # what a resume on a new stream needs: the ids whose text the consumer has, and its length
     acked_ids: list[int] = dataclasses.field(default_factory=list)
@@ -214,6 +215,15 @@ class OutputProcessor:
             result.reqs_to_abort.append(request_id)
         return result
 
+    def resume_point(self, request_id: str) -> dict[int, list[int]] | None:
+        """For a migration: each sample the engine was still running, with every token the engine
+        sent for it (whether or not delivered yet: those still on their way are delivered as
+        usual, and the new replica continues after them). None: not a live request."""
+        state = self._requests.get(request_id)
+        if state is None or state.done:
+            return None
+        return {i: list(s.engine_ids) for i, s in enumerate(state.samples) if not s.engine_done}
+
     def fail(self, request_ids: Iterable[str], failure: Failure) -> OutputProcessorOutput:
         """Fail these requests, which the engine no longer runs (e.g. their engine stream broke):
         the consumer raises."""
@@ -245,6 +255,7 @@ class OutputProcessor:
             sample = state.samples[output.index]
             if sample.done:
                 continue
+            sample.engine_ids.extend(output.new_token_ids)
             finished = output.finish_reason != RUNNING
             sample.engine_done = sample.engine_done or finished
             if output.finish_reason == ERROR:

@@ -1,0 +1,90 @@
+"""The same request gives the same tokens alone, in a batch, from the prefix cache and in
+chunks: at the engine's defaults (bfloat16 with the int8 quantized matmul where the CPU has
+them), on the default model with the prefix cache on; greedy and seeded sampling alike."""
+from __future__ import annotations
+
+import pytest
+
+from tessera_engine.backend_plan import ALL_ROWS, plan_backends
+from tessera_engine.config import EngineConfig
+from tessera_engine.core import EngineCore
+from tessera_engine.request import EngineCoreRequest
+from tessera_engine.sampling_params import SamplingParams
+
+from helpers.engine_fixtures import chat_prompts, hf_tokenizer, model_source  # noqa: F401
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
+N = 6          # the prompts followed
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def default_plan():
+    return plan_backends(EngineConfig())
+
+
+def run(core: EngineCore, prompts, params: SamplingParams, tag: str, cached: list | None = None) -> list[list[int]]:
+    """Each prompt's output tokens; `cached` gets each one's prefix-cache hit, in tokens."""
+    outs: dict[str, list[int]] = {}
+    hits: dict[str, int] = {}
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"{tag}{i}", list(p), params))
+    while core.has_unfinished():
+        for o in core.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            hits[o.request_id] = max(hits.get(o.request_id, 0), o.num_cached_tokens)
+    if cached is not None:
+        cached += [hits[f"{tag}{i}"] for i in range(len(prompts))]
+    return [outs[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True),
+                                    SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=TOKENS,
+                                                   ignore_eos=True)],
+                         ids=["greedy", "seeded"])
+def test_a_request_gives_the_same_tokens_alone_batched_cached_and_chunked(default_plan, chat_prompts, params):
+    plan, loaded = default_plan
+    config = EngineConfig()
+    assert plan.batch_invariant, plan.why["batch_invariant"]
+    if plan.keep_quantized:
+        assert plan.quantized_max_rows == ALL_ROWS
+    prompts = chat_prompts[:N]
+    alone = [run(EngineCore(config, loaded), [p], params, "a")[0] for p in prompts]
+    core = EngineCore(config, loaded)  # one engine, its prefix cache kept: the second pass hits it
+    first = [run(core, [p], params, "f")[0] for p in prompts]
+    hits: list[int] = []
+    cached = [run(core, [p], params, "c", hits)[0] for p in prompts]
+    assert all(h >= 16 for h in hits), hits  # the second pass did run on cached blocks
+    batched = run(EngineCore(config, loaded), chat_prompts[:32], params, "b")[:N]  # 32 rows a step
+    chunked = run(EngineCore(EngineConfig(max_num_batched_tokens=16), loaded), prompts, params, "k")
+    for name, got in (("first", first), ("cached", cached), ("batched", batched), ("chunked", chunked)):
+        assert got == alone, f"{name}: {sum(a != b for a, b in zip(alone, got))} of {N} differ"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, seed=77, n=2, max_tokens=TOKENS,
+                                                   ignore_eos=True, presence_penalty=0.5)],
+                         ids=["greedy", "seeded-n2-penalty"])
+def test_a_resumed_request_continues_exactly_where_it_stopped(default_plan, chat_prompts, params):
+    """What a migration sends another replica: the prompt and each sample's tokens so far. The new
+    engine (a fresh one: nothing cached) continues every sample with the tokens it would have
+    produced, and counts the resumed ones against max_tokens."""
+    _, loaded = default_plan
+    config = EngineConfig()
+    prompt = list(chat_prompts[1])
+    whole: dict[int, list[int]] = {}
+    core = EngineCore(config, loaded)
+    core.add_request(EngineCoreRequest("w", prompt, params))
+    while core.has_unfinished():
+        for o in core.step():
+            whole.setdefault(o.index, []).extend(o.new_token_ids)
+    cut = {0: 15, 1: 22}
+    resumed = {i: whole[i][:cut[i]] for i in whole}
+    rest: dict[int, list[int]] = {}
+    core = EngineCore(config, loaded)
+    core.add_request(EngineCoreRequest("m", prompt, params, resumed=resumed))
+    while core.has_unfinished():
+        for o in core.step():
+            rest.setdefault(o.index, []).extend(o.new_token_ids)
+    assert {i: resumed[i] + rest[i] for i in rest} == whole

@@ -3,14 +3,16 @@
 1. the tokenizer process is killed: the frontend goes NOT_SERVING and requests fail
    with UNAVAILABLE; the tokenizer is restarted: the frontend is SERVING again and
    requests work;
-2. the engine's core loop dies (test-only fault injection): the request in flight
-   fails with UNAVAILABLE instead of hanging, the engine and the frontend go NOT_SERVING.
+2. the engine's core loop dies (test-only fault injection): the engine and the frontend go
+   NOT_SERVING; the request in flight waits for a replica to migrate to, up to the frontend's
+   --engine-timeout-s (5 s here), then fails with UNAVAILABLE instead of hanging.
 
 The frontend's HTTP /health answers are checked to agree: the one on its metrics port and
 its OpenAI HTTP API's /health.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import time
 
@@ -27,12 +29,14 @@ pytestmark = pytest.mark.integration
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 FAULT_AFTER = 60  # engine steps before its loop dies; the first part uses far fewer
+ENGINE_TIMEOUT_S = 5  # the frontend's --engine-timeout-s: how long a request waits for a replica
 
 
 @pytest.fixture(scope="module")
 def own_stack():
     stack = Stack()
     stack.engine.env["TESSERA_ENGINE_FAULT_AFTER_STEPS"] = str(FAULT_AFTER)
+    stack.frontend.env["TESSERA_ENGINE_TIMEOUT_S"] = str(ENGINE_TIMEOUT_S)
     stack.start()
     yield stack
     stack.stop()
@@ -84,12 +88,15 @@ def test_frontend_follows_the_tokenizer_down_and_up(own_stack):
 def test_engine_loop_death_fails_the_request_and_the_health(own_stack):
     stack = own_stack
     started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as failed:
-        _generate(stack, max_tokens=2 * FAULT_AFTER, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        request = pool.submit(_generate, stack, 2 * FAULT_AFTER, 120)
+        with grpc.insecure_channel(stack.engine.addr) as engine_channel:
+            wait_for(lambda: _status(engine_channel) == NOT_SERVING, 60, "the engine to go NOT_SERVING")
+        assert health_http(stack.engine.metrics_url) == 503
+        wait_for(lambda: _status(stack.frontend_channel) == NOT_SERVING, 10, "the frontend to go NOT_SERVING")
+        _http_agrees(stack, 503)
+        with pytest.raises(grpc.RpcError) as failed:
+            request.result()
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+    assert "no engine replica could take the request" in failed.value.details()
     assert time.monotonic() - started < 60
-    with grpc.insecure_channel(stack.engine.addr) as engine_channel:
-        wait_for(lambda: _status(engine_channel) == NOT_SERVING, 5, "the engine to go NOT_SERVING")
-    assert health_http(stack.engine.metrics_url) == 503
-    wait_for(lambda: _status(stack.frontend_channel) == NOT_SERVING, 10, "the frontend to go NOT_SERVING")
-    _http_agrees(stack, 503)

@@ -58,11 +58,10 @@ def prepared(family: str, seed: int = 11):
     return hf
 
 
-def engine_greedy(loaded, prompts=PROMPTS) -> list[list[int]]:
-    """EngineCore's greedy tokens for the prompts, batched. Layers with quantized blocks run the
-    quantized matmul for every batch here (the kernels' results are under test, not which path
-    a tiny model's timing picks)."""
-    core = EngineCore(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64),
+def engine_greedy(loaded, prompts=PROMPTS, **config) -> list[list[int]]:
+    """EngineCore's greedy tokens for the prompts, batched (`config`: more EngineConfig fields).
+    Layers with quantized blocks run the quantized matmul for every batch (batch-invariant)."""
+    core = EngineCore(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, **config),
                       loaded=loaded)
     out = core.generate([EngineCoreRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                                       ignore_eos=True))

@@ -58,6 +58,8 @@ class EngineConfig:
     # a row's results never depend on how many rows run beside it (one matmul path for every
     # batch size): the same greedy request gives the same text alone, batched, cached or chunked
     batch_invariant: bool = True
+    # speculative decoding (speculative.SpeculativeConfig: --speculative-config's JSON); None: off
+    speculative_config: str | dict | None = None
     # how that quantized matmul computes: exact (each block dequantized to the activations'
     # dtype, bit for bit the dequantized weights), int8 (activations quantized to int8 per
     # 16 values, integer dot products: llama.cpp's method) or auto (backend_plan)
@@ -73,6 +75,9 @@ class EngineConfig:
         if self.quantized_matmul not in QUANTIZED_MATMULS:
             raise ValueError(f"quantized_matmul must be one of {', '.join(QUANTIZED_MATMULS)}, "
                              f"not {self.quantized_matmul!r}")
+        from tessera_engine.speculative import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:

@@ -183,7 +183,7 @@ class EngineCore:
         self.step_count += 1
         step.outputs[:0] = failed
         step.iteration.step = self.step_count
-        step.iteration.num_generation_tokens = len(step.outputs)
+        step.iteration.num_generation_tokens = sum(len(o.new_token_ids) for o in step.outputs)
         step.iteration.duration_s = time.perf_counter() - started
         return step
 

@@ -248,8 +248,8 @@ class KVCacheManager:
             self._pinned.append(copy_from)
         for _ in range(need_new):
             table.append(self._take_free_block())
-        if self.enable_prefix_caching:
-            self._register_full_blocks(req, num_computed + num_new_tokens)
+        if self.enable_prefix_caching:  # (speculated tokens are not known yet: not published)
+            self._register_full_blocks(req, min(num_computed + num_new_tokens, req.num_tokens))
         return True
 
     def _hold(self, block_id: int) -> None:

@@ -55,6 +55,10 @@ class EngineMetrics:
         self.generation_tokens = counter("tessera:generation_tokens", "Number of generation tokens processed.")
         self.iteration_tokens = histogram("tessera:iteration_tokens_total",
                                           "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        # speculative decoding (vLLM's spec_decode counters)
+        self.spec_drafts = counter("tessera:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("tessera:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = counter("tessera:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self.step_time = histogram("tessera:engine_step_duration_seconds",
                                    "Histogram of engine step (schedule + execute) time in seconds.",
                                    STEP_TIME_BUCKETS)
@@ -103,6 +107,10 @@ class EngineMetrics:
                 self.prompt_tokens.inc(iteration.num_prompt_tokens)
             if iteration.num_generation_tokens:
                 self.generation_tokens.inc(iteration.num_generation_tokens)
+            if iteration.num_drafts:
+                self.spec_drafts.inc(iteration.num_drafts)
+                self.spec_draft_tokens.inc(iteration.num_draft_tokens)
+                self.spec_accepted_tokens.inc(iteration.num_accepted_tokens)
 
     def record_finished(self, out: EngineCoreOutput) -> None:
         """A sample finished (stop, length, abort or error): count it, observe its phases, log one line."""

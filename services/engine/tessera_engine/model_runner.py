@@ -93,6 +93,7 @@ class ModelRunner:
         for s in prefills:
             start, end = s.start, s.start + s.num_new_tokens
             ids.extend(s.sample.all_token_ids[start:end])
+            ids.extend(s.draft_token_ids)  # speculating: the guesses after the last known token
             pos.extend(range(start, end))
             slot_parts.append(self._slots(s.block_table, start, end))
             chunks.append(PrefillChunk(q_start, start, end, s.block_table))
@@ -114,16 +115,25 @@ class ModelRunner:
         ordered, input_ids, positions, meta = self._prepare(sched.scheduled, sched.kv_copies)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        # rows whose last token samples, and prompt-logprob positions
+        # rows whose last token samples (every row of a sample with guesses, each at its own
+        # output position), and prompt-logprob positions
         sample_rows: list[int] = []
         sample_reqs = []
+        positions: list[int] = []
+        speculated = []
         prompt_lp: dict[SampleKey, list[TokenLogprobs | None]] = {}
         offset = 0
         for s in ordered:
             req = s.sample
-            if s.samples:
+            if s.draft_token_ids:
+                speculated.append((s, len(sample_rows)))
+                sample_rows.extend(range(offset, offset + s.num_new_tokens))
+                sample_reqs.extend([req] * s.num_new_tokens)
+                positions.extend(range(req.num_output_tokens, req.num_output_tokens + s.num_new_tokens))
+            elif s.samples:
                 sample_rows.append(offset + s.num_new_tokens - 1)
                 sample_reqs.append(req)
+                positions.append(req.num_output_tokens)
             if not req.prompt_logprobs_done:
                 prompt_lp[req.key] = self._prompt_logprobs(hidden, offset, s)
             offset += s.num_new_tokens
@@ -135,11 +145,18 @@ class ModelRunner:
             else:
                 rows = hidden[torch.tensor(sample_rows, device=self.device)]
             logits = self.model.compute_logits(rows)
-            result = self.sampler(logits, sample_reqs)
+            result = self.sampler(logits, sample_reqs, positions if speculated else None)
             for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs):
                 out.sampled[req.key] = tok
                 if lp is not None:
                     out.logprobs[req.key] = lp
+            for s, first in speculated:  # keep the guesses the sampler agrees with, then its own token
+                drawn = result.token_ids[first:first + s.num_new_tokens]
+                a = 0
+                while a < len(s.draft_token_ids) and drawn[a] == s.draft_token_ids[a]:
+                    a += 1
+                out.accepted[s.sample.key] = s.draft_token_ids[:a]
+                out.sampled[s.sample.key] = drawn[a]
         return out
 
     @torch.inference_mode()

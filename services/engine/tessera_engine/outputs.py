@@ -31,11 +31,14 @@ class ScheduledSample:
     num_new_tokens: int
     start: int  # position of the first token computed this step (= tokens computed before)
     block_table: list[int]  # the sample's blocks (a live view kept by the KV cache manager)
+    # speculative decoding: guessed tokens after the sample's last one, computed in this step
+    # too (num_new_tokens = 1 + len(draft_token_ids)); every row samples, to verify them
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.sample.num_tokens
+        return self.start + self.num_new_tokens == self.sample.num_tokens + len(self.draft_token_ids)
 
 
 @dataclasses.dataclass
@@ -59,6 +62,9 @@ class ModelRunnerOutput:
     logprobs: dict[SampleKey, TokenLogprobs]        # that token's logprobs, when asked
     # the logprobs of the prompt positions this step computed, when asked (None: the first position)
     prompt_logprobs: dict[SampleKey, list[TokenLogprobs | None]]
+    # speculative decoding: the guessed tokens the sampler agreed with, which come before the
+    # sampled token (so the sample gains len + 1 tokens)
+    accepted: dict[SampleKey, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class RequestError(NamedTuple):
@@ -105,6 +111,9 @@ class IterationStats:
     num_prompt_tokens: int      # prompt lengths of the samples that got their first token
     num_generation_tokens: int  # tokens sampled (= new_token_ids emitted) this step
     num_preempted: int
+    num_drafts: int = 0           # speculative decoding: samples that had guesses verified
+    num_draft_tokens: int = 0     # guesses verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclasses.dataclass

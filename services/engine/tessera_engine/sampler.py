@@ -83,11 +83,11 @@ class Sampler:
         """Seed what gives unseeded samples their seeds (the engine's --seed)."""
         self._seeds.seed(seed)
 
-    def _uniform(self, req: Sample) -> float:
-        """The uniform number of this sample's next draw."""
+    def _uniform(self, req: Sample, position: int | None) -> float:
+        """The uniform number of this sample's draw at an output position (default: its next)."""
         if req.seed is None:
             req.seed = self._seeds.getrandbits(63)
-        return counter_uniform(req.seed, req.index, req.num_output_tokens)
+        return counter_uniform(req.seed, req.index, req.num_output_tokens if position is None else position)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Sample]) -> None:
         rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
@@ -159,8 +159,10 @@ class Sampler:
                 allowed = unpack_bitmask(bitmask, logits.shape[1])[0].to(logits.device)
                 tokens[i] = int(logits[i].float().masked_fill(~allowed, float("-inf")).argmax())
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Sample]) -> SamplerOutput:
-        """logits [B, V] for the rows that sample this step, reqs in the same order."""
+    def __call__(self, logits: torch.Tensor, reqs: list[Sample], positions: list[int] | None = None) -> SamplerOutput:
+        """logits [B, V] for the rows that sample this step, reqs in the same order; `positions`:
+        each row's output position where it is not the sample's next (speculative decoding
+        verifies several positions of one sample in a step)."""
         fast = [self._plain_greedy(r) for r in reqs]
         if all(fast):
             # greedy fast path: argmax of the raw logits (upcasting is exact, argmax keeps the first max)
@@ -172,14 +174,15 @@ class Sampler:
             slow = [i for i, f in enumerate(fast) if not f]
             tokens = self.ops.argmax_rows(logits).tolist()
             self._constrain_greedy(logits, [r if f else _NO_CONSTRAINT for r, f in zip(reqs, fast)], tokens)
-            out = self._sample(logits[torch.tensor(slow, device=logits.device)], [reqs[i] for i in slow])
+            out = self._sample(logits[torch.tensor(slow, device=logits.device)], [reqs[i] for i in slow],
+                               [positions[i] for i in slow] if positions else None)
             logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
             for j, i in enumerate(slow):
                 tokens[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
             return SamplerOutput(tokens, logprobs)
-        return self._sample(logits, reqs)
+        return self._sample(logits, reqs, positions)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Sample]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, reqs: list[Sample], positions: list[int] | None = None) -> SamplerOutput:
         """Every processor and draw, for rows that need more than an argmax."""
         raw = logits
         logits = logits.float().clone()
@@ -199,7 +202,8 @@ class Sampler:
             sub = sub / temp
             sub = self._top_k_top_p_min_p(sub, params)
             probs = torch.softmax(sub, dim=-1)
-            tokens[idx] = draw_rows(probs, [self._uniform(reqs[i]) for i in random_rows])
+            tokens[idx] = draw_rows(probs, [self._uniform(reqs[i], positions[i] if positions else None)
+                                             for i in random_rows])
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(reqs)

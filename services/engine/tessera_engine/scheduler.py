@@ -29,6 +29,7 @@ from tessera_engine.kv_cache import KVCacheManager, KVCopy
 from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, IterationStats, ModelRunnerOutput,
                                     RequestError, RequestTiming, ScheduledSample, SchedulerOutput)
 from tessera_engine.request import RequestStatus, Sample, SampleKey
+from tessera_engine.speculative import NgramProposer, SpeculativeConfig, speculation_allowed
 
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
@@ -48,6 +49,11 @@ class Scheduler:
         self.running: list[Sample] = []
         self.requests: dict[SampleKey, Sample] = {}
         self.num_preemptions = 0
+        self.speculative = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        # no speculation with more running samples than this (0: no limit); set by the engine
+        # core from the measured limit when the configuration leaves it open
+        self.speculation_max_batch = self.speculative.disable_by_batch_size or 0 if self.speculative else 0
 
     # -- queues ----------------------------------------------------------------
     def _order(self, req: Sample) -> tuple:
@@ -151,11 +157,21 @@ class Scheduler:
         kv_copies: list[KVCopy] = []
         now = time.time()
 
-        # 1. running requests: one decode token each, or the next prefill chunk
+        # 1. running requests: one decode token each (plus guesses, speculating), or the next prefill chunk
+        speculate = self.proposer is not None and (not self.speculation_max_batch
+                                                   or len(self.running) <= self.speculation_max_batch)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if speculate and num_new == 1:
+                draft = self._draft(req, budget - 1)
+                if draft and self.kv.allocate(req, 1 + len(draft)):
+                    scheduled.append(ScheduledSample(req, 1 + len(draft), req.num_computed_tokens,
+                                                     self.kv.block_table(req), draft))
+                    budget -= 1 + len(draft)
+                    i += 1
+                    continue
             while not self.kv.allocate(req, num_new):
                 victim = self._victim()
                 self._preempt(victim)
@@ -207,32 +223,51 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted, self.token_budget - budget, kv_copies)
 
+    def _draft(self, req: Sample, room: int) -> list[int]:
+        """Guessed next tokens for a decoding sample (speculative decoding), within the step's
+        room and the sample's max_tokens and the model's length; [] where not allowed."""
+        if not speculation_allowed(req):
+            return []
+        k = min(self.speculative.num_speculative_tokens, room,
+                req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, k) if k > 0 else []
+
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply one step's model output; returns the step's outputs and its stats (the core
         fills in the step's number and duration)."""
         now = time.time()
         outs: list[EngineCoreOutput] = []
-        num_prompt_tokens = 0
+        num_prompt_tokens = num_drafts = num_draft_tokens = num_accepted = 0
         for s in sched.scheduled:
             req = s.sample
-            req.num_computed_tokens += s.num_new_tokens
+            accepted = result.accepted.get(req.key, [])
+            # with guesses, only the last known token and the accepted guesses were computed
+            req.num_computed_tokens += 1 + len(accepted) if s.draft_token_ids else s.num_new_tokens
+            if s.draft_token_ids:
+                num_drafts += 1
+                num_draft_tokens += len(s.draft_token_ids)
+                num_accepted += len(accepted)
             chunk_prompt_logprobs = result.prompt_logprobs.get(req.key)
             if chunk_prompt_logprobs is not None:
                 req.prompt_logprobs.extend(chunk_prompt_logprobs)
             token = result.sampled.get(req.key)
             if token is None:
                 continue  # a prefill chunk short of the prompt's end
-            req.append_output_token(token)
-            done = req.check_stop(self.max_model_len)
-            if req.constraint is not None and req.constraint.accept(token) and not done:
-                req.status, done = RequestStatus.FINISHED_STOPPED, True  # the constraint is complete
-            if done:
-                self.finish(req, req.status)
+            new_tokens = []
+            for token in (*accepted, token):  # each checked as if it came in a step of its own
+                new_tokens.append(token)
+                req.append_output_token(token)
+                done = req.check_stop(self.max_model_len)
+                if req.constraint is not None and req.constraint.accept(token) and not done:
+                    req.status, done = RequestStatus.FINISHED_STOPPED, True  # the constraint is complete
+                if done:
+                    self.finish(req, req.status)
+                    break
             if req.first_token_time is None:
                 req.first_token_time = now
                 num_prompt_tokens += req.num_prompt_tokens
             req.last_token_time = now
-            out = make_output(req, [token], now)
+            out = make_output(req, new_tokens, now)
             lp = result.logprobs.get(req.key)
             if lp is not None:
                 out.logprobs = [lp]
@@ -241,7 +276,8 @@ class Scheduler:
                 req.prompt_logprobs_done = True
             outs.append(out)
         return EngineCoreOutputs(outs, IterationStats(0, 0.0, sched.num_batched_tokens, num_prompt_tokens,
-                                                      len(outs), len(sched.preempted)))
+                                                      sum(len(o.new_token_ids) for o in outs), len(sched.preempted),
+                                                      num_drafts, num_draft_tokens, num_accepted))
 
 
 def make_output(req: Sample, tokens: list[int], now: float | None = None) -> EngineCoreOutput:

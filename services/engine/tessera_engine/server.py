@@ -363,6 +363,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "them before its first step (0: never)")
     add_flag(p, "--seed", "TESSERA_SEED", 0, type=int,
              help="seeds the seeds of requests that come without one (the frontend seeds every request)")
+    add_flag(p, "--speculative-config", "TESSERA_SPECULATIVE_CONFIG", None,
+             help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                  '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": N} (ngram: guesses '
+                  'looked up in the request\'s own prompt and output; outputs are unchanged, greedy or seeded; '
+                  'disable_by_batch_size unset: measured at start). Unset: off')
     add_flag(p, "--drain-mode", "TESSERA_DRAIN_MODE", "handoff", choices=list(DRAIN_MODES),
              help="on SIGTERM: handoff (the frontends move the requests in flight to another serving replica, "
                   "where they continue exactly; those with nowhere to go finish here) or wait (every request "
@@ -422,7 +427,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
         gguf_dequantize=args.gguf_dequantize, quantized_max_rows=args.quantized_max_rows,
-        quantized_matmul=args.quantized_matmul, batch_invariant=args.batch_invariant)
+        quantized_matmul=args.quantized_matmul, batch_invariant=args.batch_invariant,
+        speculative_config=args.speculative_config)
 
 
 async def serve(args: argparse.Namespace) -> int:

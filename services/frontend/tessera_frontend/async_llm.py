@@ -16,7 +16,8 @@ Migration: when a replica's session breaks (the process killed, the node lost, t
 watchdog, a drain that ran out) or a draining replica hands its requests off, every
 request it held continues on another replica: the same EngineRequest (prompt, sampling
 parameters, seed) with `resumed`, each running sample's tokens so far (every token the
-engine sent, delivered or still with the detokenizer). The new replica prefills them and
+engine sent, delivered or still with the detokenizer), under a new engine request id (the
+replica left behind may still hold the old one: a healed partition). The new replica prefills them and
 continues each sample at the same output position of the same seed, so the text goes on
 exactly as it would have; the detokenize state, usage and stop-string matching stay here,
 untouched. A request migrates at most MAX_MIGRATIONS times, then fails UNAVAILABLE; with no
@@ -91,6 +92,7 @@ class _Submission:
     client_id: str
     request: engine_pb2.EngineRequest
     replica: str
+    engine_id: str  # its engine request id now (a migration gives it a new one)
     migrations: int = 0
     lost_at: float | None = None  # time.monotonic() of its last migration, until its next output
     task: asyncio.Task | None = None  # a migration waiting for a replica
@@ -174,6 +176,7 @@ class AsyncLLM:
             finished = completion_tokens = cached_tokens = 0
             held: dict[int, SampleOutput] = {}  # per choice: output not yet yielded (stream_interval)
             started: set[int] = set()  # choices whose first output went out
+            sub: _Submission | None = None
             try:
                 request = engine_pb2.EngineRequest(
                     request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
@@ -182,7 +185,7 @@ class AsyncLLM:
                     replica = self.engine.submit(request, n, more_coming=self._preparing > 0, exclude=tried)
                 except NoReplicaError as exc:
                     raise GenerateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-                self._submissions[engine_id] = _Submission(request_id, request, replica)
+                sub = self._submissions[engine_id] = _Submission(request_id, request, replica, engine_id)
                 tried.append(replica)
                 log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,
                                                      "engine": replica, "attempt": len(tried),
@@ -218,6 +221,8 @@ class AsyncLLM:
                     started.add(out.index)
                     yield out
             finally:
+                if sub is not None:  # migrations may have renamed it
+                    engine_id = sub.engine_id
                 self._forget_submission(engine_id)
                 self._abort_in_engine(self.processor.release(engine_id))
                 if not retry:
@@ -347,14 +352,21 @@ class AsyncLLM:
                 continue
             sub.migrations += 1
             sub.lost_at = time.monotonic()
+            new_id = f"{sub.client_id}-{uuid.uuid4().hex[:12]}"
+            self.processor.rename(engine_id, new_id)
+            del self._submissions[engine_id]
+            self._awaiting_output.discard(engine_id)
+            self._submissions[new_id] = sub
+            sub.engine_id = new_id
             request = engine_pb2.EngineRequest()
             request.CopyFrom(sub.request)
+            request.request_id = new_id
             for index, ids in resumed.items():
                 request.resumed.add(index=index, output_token_ids=ids)
             if any(resumed.values()):  # the prompt's logprobs went out with the first output
                 request.sampling_params.ClearField("prompt_logprobs")
-            sub.task = asyncio.create_task(self._resubmit(engine_id, sub, request, reason, why),
-                                           name=f"migrate-{engine_id}")
+            sub.task = asyncio.create_task(self._resubmit(new_id, sub, request, reason, why),
+                                           name=f"migrate-{new_id}")
         if failed:
             self._abort_in_engine(self.processor.fail(failed, Failure(
                 grpc.StatusCode.UNAVAILABLE, f"{reason} (the request moved replicas {MAX_MIGRATIONS} times already)")))

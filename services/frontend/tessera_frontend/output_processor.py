@@ -215,6 +215,13 @@ class OutputProcessor:
             result.reqs_to_abort.append(request_id)
         return result
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        """The request goes on under a new engine request id (a migration: the replica it left
+        may still hold the old one). Its samples keep their detokenize keys."""
+        state = self._requests.pop(request_id)
+        state.request_id = new_id
+        self._requests[new_id] = state
+
     def resume_point(self, request_id: str) -> dict[int, list[int]] | None:
         """For a migration: each sample the engine was still running, with every token the engine
         sent for it (whether or not delivered yet: those still on their way are delivered as

@@ -99,15 +99,16 @@ class Server:
 class TesseraServer(Server):
     name = "tessera"
 
-    def __init__(self, startup_timeout_s: float, model: str | None = None) -> None:
+    def __init__(self, startup_timeout_s: float, model: str | None = None, engine_args: list[str] = ()) -> None:
         super().__init__(startup_timeout_s)
         self.model = model  # None: the default model
+        self.engine_args = list(engine_args)  # besides the model (benchmarks of a feature: --speculative-config ...)
 
     def launch(self) -> None:
         base = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}  # the defaults are measured
         model = ["--model", self.model] if self.model else []
         stack = launch.Stack(self.log_dir, http_port=self.http_port, base_env=base, bind_host=False,
-                             engine_args=model, tokenizer_args=model)
+                             engine_args=model + self.engine_args, tokenizer_args=model)
         for service in stack.services:
             service.metrics_port = launch.free_port()
             service.start()

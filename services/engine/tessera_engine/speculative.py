@@ -1,0 +1,115 @@
+"""Speculative decoding: the configuration (vLLM's --speculative-config) and the n-gram proposer.
+
+A proposer guesses the next k tokens of a running sample; the scheduler schedules them after
+the sample's last token as one chunk of 1 + k rows, the model scores every row in the same
+batched forward pass (each row attends as a decode of its own position, so a row's result is
+the one plain decoding would give: batch invariance), and the model runner keeps the longest
+run of guesses the sampler agrees with, plus the sampler's own token after it. The sampler
+draws each row at its own output position from (seed, sample, position) (sampler.py), so the
+verified tokens are exactly those decoding without speculation would have produced, greedy or
+sampled: for a proposer whose guesses are certain (n-gram) this exact-match rule accepts a
+guess d with probability p(d), as rejection sampling does, and a rejected row's token is a
+draw from p restricted to the other tokens, the residual distribution. The KV slots of
+rejected guesses are simply written again later (the sample's computed count only advances
+over accepted ones; prefix-cache blocks are published from known tokens only).
+
+Methods:
+- ngram (prompt lookup decoding, vLLM's `ngram`): the longest suffix of the sample's tokens
+  (prompt_lookup_max down to prompt_lookup_min tokens) that occurred before, latest
+  occurrence first; the tokens that followed it are the guesses.
+
+Per request, speculation is off where the sampler's result at a row would depend on the
+guesses before it in ways the verification does not replay: penalties, logprobs, an output
+constraint, min_tokens not reached yet, or prompt logprobs still to compute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # no speculation in a step with more running samples than this (vLLM's name); None: the
+    # limit measured on this machine (backend_plan), 0: never off
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> "SpeculativeConfig | None":
+        """From --speculative-config's JSON (or its dict); None or empty: no speculation. Raises
+        ValueError naming the key that is wrong."""
+        if text is None or text == "" or text == {}:
+            return None
+        if isinstance(text, str):
+            try:
+                raw = json.loads(text)
+            except ValueError as exc:
+                raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        else:
+            raw = dict(text)
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        if "method" not in raw:
+            raise ValueError("--speculative-config needs a method (ngram)")
+        config = cls(**raw)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {', '.join(METHODS)}, not {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--speculative-config: {name} must be an integer >= 1, not {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("--speculative-config: prompt_lookup_min must be <= prompt_lookup_max")
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
+            raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer >= 0, not {d!r}")
+
+
+class NgramProposer:
+    """Prompt lookup: guesses from the sample's own prompt and output."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+        `tokens` (max_n down to min_n long); [] when none occurred."""
+        length = len(tokens)
+        if k <= 0 or length < self.min_n + 1:
+            return []
+        arr = np.asarray(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = arr[length - n:]
+            # starts of earlier occurrences with at least one token after them
+            starts = np.flatnonzero(arr[:length - n] == suffix[0])
+            for j in range(1, n):
+                if not starts.size:
+                    break
+                starts = starts[arr[starts + j] == suffix[j]]
+            if starts.size:
+                i = int(starts[-1]) + n
+                return tokens[i:i + k]
+        return []
+
+
+def speculation_allowed(sample) -> bool:
+    """Whether a sample's rows can be verified by the sampler alone (see the module doc)."""
+    p = sample.params
+    return (not p.has_penalties and p.logprobs is None and sample.constraint is None
+            and sample.prompt_logprobs_done and sample.num_output_tokens >= p.min_tokens)

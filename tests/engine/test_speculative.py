@@ -1,0 +1,113 @@
+"""Speculative decoding (tessera_engine.speculative): the n-gram proposer, the configuration, and
+the engine's outputs with speculation equal to those without it, greedy and seeded, with prefix
+caching, chunked prefill, preemption, stop tokens, max_tokens and requests speculation skips
+(logprobs, penalties) in the same batch."""
+from __future__ import annotations
+
+import pytest
+
+from tessera_engine.request import EngineCoreRequest
+from tessera_engine.sampling_params import SamplingParams
+from tessera_engine.speculative import NgramProposer, SpeculativeConfig
+
+from helpers.engine_fixtures import chat_prompts, hf_tokenizer, loaded_fp32, make_core, model_source  # noqa: F401
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+PASSAGE = ("The keeper climbed the stairs at dusk with a brass lantern and a notebook of passing ships. "
+           "In forty years he filled sixty notebooks and stacked them on the shelf by his bed. ")
+
+
+@pytest.mark.unit
+def test_ngram_proposals_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
+    p = NgramProposer(SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=1))
+    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]          # "2 3" seen before: what followed
+    assert p.propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3], 3) == [7, 1, 2]  # the latest occurrence wins
+    assert p.propose([5, 6, 7, 8, 9], 3) == []                        # nothing repeats
+    assert p.propose([4, 4], 3) == [4]                                # at most what follows
+    assert p.propose([1, 2, 3, 9, 3], 2) == [9, 3]                    # no longer suffix repeats: "3" does
+    assert NgramProposer(SpeculativeConfig(prompt_lookup_max=4, prompt_lookup_min=2)).propose([1, 2, 9, 2], 2) == []
+
+
+@pytest.mark.unit
+def test_speculative_config_is_vllm_s_json_and_bad_values_are_named(monkeypatch):
+    from tessera_engine.server import config_from_args, parse_args
+
+    c = SpeculativeConfig.parse(NGRAM)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 4, 2)
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    for bad, named in (('{"method": "medusa"}', "method"), ('{"num_speculative_tokens": 2}', "method"),
+                       ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"method": "ngram", "lookahead": 3}', "lookahead"), ("[1]", "JSON object"),
+                       ("{", "not JSON"),
+                       ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min")):
+        with pytest.raises(ValueError, match=named):
+            SpeculativeConfig.parse(bad)
+    assert config_from_args(parse_args(["--speculative-config", NGRAM])).speculative_config == NGRAM
+    monkeypatch.setenv("TESSERA_SPECULATIVE_CONFIG", NGRAM)
+    assert config_from_args(parse_args([])).speculative_config == NGRAM
+    monkeypatch.setenv("TESSERA_SPECULATIVE_CONFIG", '{"method": "x"}')
+    with pytest.raises(SystemExit):
+        parse_args([])
+
+
+def _prompts(hf_tokenizer, chat_prompts) -> list[list[int]]:
+    """Prompts whose answers repeat their input (the guesses hit), and plain chat questions."""
+    grounded = [hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": PASSAGE * 2 + f"\n{task} the passage above."}], add_generation_prompt=True,
+        return_dict=False) for task in ("Repeat", "Correct the spelling of", "Summarise")]
+    return grounded + [list(p) for p in chat_prompts[:3]]
+
+
+def _run(core, prompts, params_for) -> tuple[dict, dict]:
+    """Every sample's tokens, and the step totals (drafts, guessed, accepted)."""
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"r{i}", p, params_for(i)))
+    tokens: dict[str, list[int]] = {}
+    totals = {"drafts": 0, "guessed": 0, "accepted": 0}
+    while core.has_unfinished():
+        step = core.run_step()
+        totals["drafts"] += step.iteration.num_drafts
+        totals["guessed"] += step.iteration.num_draft_tokens
+        totals["accepted"] += step.iteration.num_accepted_tokens
+        for o in step.outputs:
+            tokens.setdefault(f"{o.request_id}#{o.index}", []).extend(o.new_token_ids)
+    return tokens, totals
+
+
+def _mixed_params(i: int) -> SamplingParams:
+    """Greedy, seeded sampling, and requests speculation leaves alone, in one batch."""
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11, n=2), dict(temperature=0.0),
+             dict(temperature=0.0, logprobs=2), dict(temperature=0.7, seed=5, presence_penalty=0.4),
+             dict(temperature=0.0, stop_token_ids=[13], min_tokens=3)]
+    return SamplingParams(max_tokens=48, **kinds[i % len(kinds)])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("setting", [dict(), dict(max_num_batched_tokens=24), dict(num_kv_blocks=14)],
+                         ids=["plain", "chunked-prefill", "preempting"])
+def test_outputs_with_speculation_equal_those_without(make_core, hf_tokenizer, chat_prompts, setting):
+    prompts = _prompts(hf_tokenizer, chat_prompts)
+    want, _ = _run(make_core(**setting), prompts, _mixed_params)
+    core = make_core(speculative_config=NGRAM, **setting)
+    got, totals = _run(core, prompts, _mixed_params)
+    assert got == want
+    assert totals["accepted"] > 0.3 * totals["guessed"] > 0, totals  # the grounded answers took guesses
+    if "num_kv_blocks" in setting:
+        assert core.scheduler.num_preemptions > 0
+    # again on the same engine: prompts from the prefix cache, the same tokens
+    again, _ = _run(core, prompts, _mixed_params)
+    assert again == want
+
+
+@pytest.mark.unit
+def test_seeded_samples_with_speculation_equal_those_without_over_many_seeds(make_core, hf_tokenizer, chat_prompts):
+    """The draws are a function of (seed, sample, position): verified guesses give every seeded
+    sample the very tokens plain decoding gives it, so its distribution is the target's."""
+    prompts = _prompts(hf_tokenizer, chat_prompts)[:1] * 12
+
+    def params(i):
+        return SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24)
+
+    want, _ = _run(make_core(), prompts, params)
+    got, totals = _run(make_core(speculative_config=NGRAM), prompts, params)
+    assert got == want and totals["accepted"] > 0

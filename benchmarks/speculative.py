@@ -147,6 +147,8 @@ def inprocess(args) -> dict:
     chats = chat_prompts(tok, 64)
     plan, loaded = plan_backends(EngineConfig())
     configs = {"plain": EngineConfig(), "ngram": EngineConfig(speculative_config=NGRAM)}
+    if args.fixed_batch_limit:  # vLLM's way: speculation whenever at most this many samples run
+        configs["ngram_cap"] = EngineConfig(speculative_config=NGRAM[:-1] + f', "disable_by_batch_size": {args.fixed_batch_limit}}}')
     greedy = SamplingParams(temperature=0.0, max_tokens=args.grounded_tokens)
     burst = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     run_engine(loaded, configs["plain"], grounded[:1], greedy)  # warm-up: shapes, allocator
@@ -192,6 +194,10 @@ def inprocess(args) -> dict:
     result["ratio_grounded_decode"] = result["ngram"]["decode_tok_s"] / result["plain"]["decode_tok_s"]
     result["ratio_grounded_e2e"] = result["ngram"]["e2e_tok_s"] / result["plain"]["e2e_tok_s"]
     result["ratio_chat_burst"] = result["ngram"]["chat_tok_s"] / result["plain"]["chat_tok_s"]
+    if "ngram_cap" in configs:
+        result["ratio_grounded_decode_cap"] = result["ngram_cap"]["decode_tok_s"] / result["plain"]["decode_tok_s"]
+        result["ratio_chat_burst_cap"] = result["ngram_cap"]["chat_tok_s"] / result["plain"]["chat_tok_s"]
+        same = same and outputs["ngram_cap"] == outputs["plain"]
     result["dtype"] = str(plan.dtype)
     return result
 
@@ -250,6 +256,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--grounded-tokens", type=int, default=256)
     ap.add_argument("--served", action="store_true", help="also the served single-request comparison")
+    ap.add_argument("--fixed-batch-limit", type=int, default=4,
+                    help="also a side with disable_by_batch_size set to this (0: not)")
     ap.add_argument("--no-inprocess", action="store_true")
     ap.add_argument("--out", default="results/speculative.json")
     args = ap.parse_args()
@@ -263,7 +271,7 @@ def main() -> int:
     rows = []
     if "inprocess" in report:
         ip = report["inprocess"]
-        for side in ("plain", "ngram"):
+        for side in [k for k in ("plain", "ngram", "ngram_cap") if k in ip]:
             s = ip[side]
             rows.append([side, f"{s['decode_tok_s']:.1f}", f"{s['e2e_tok_s']:.1f}",
                          "-" if s["acceptance"] is None else f"{s['acceptance']:.2f}",
@@ -275,6 +283,9 @@ def main() -> int:
         ip = report["inprocess"]
         print(f"grounded_decode_ratio={ip['ratio_grounded_decode']:.2f} grounded_e2e_ratio={ip['ratio_grounded_e2e']:.2f} "
               f"chat_burst_ratio={ip['ratio_chat_burst']:.3f} greedy_outputs_equal={ip['greedy_outputs_equal']}")
+        if "ratio_grounded_decode_cap" in ip:
+            print(f"with disable_by_batch_size {args.fixed_batch_limit}: grounded_decode_ratio="
+                  f"{ip['ratio_grounded_decode_cap']:.2f} chat_burst_ratio={ip['ratio_chat_burst_cap']:.3f}")
     if "served" in report:
         sv = report["served"]
         print(f"served_decode_ratio={sv['ratio_served_decode']:.2f} (plain {sv['plain']['decode_tok_s']:.1f}, "

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from tessera.common.request_rules import SamplingCaps, request_problem, resumed_problem
 from tessera_engine.config import EngineConfig
 from tessera_engine.executor import Executor
@@ -27,11 +29,15 @@ from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, EngineS
                                     RequestError)
 from tessera_engine.request import EngineCoreRequest, Sample, SampleKey
 from tessera_engine.scheduler import Scheduler
+from tessera_engine.speculative import StepCost
 from tessera_engine.structured_output import Constraint, StructuredOutputManager, hf_tokenizer_of
 
 log = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS_IN_A_ROW = 3  # a step failing this many times running ends the core loop
+
+
+_STEP_COST_TABLES: dict[tuple, dict[int, float]] = {}  # this process's measured step costs (StepCost)
 
 
 class RequestRejected(Exception):
@@ -62,12 +68,28 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
                                        config.enable_prefix_caching, self.executor.model.sliding_window)
         self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, self.executor.plan.token_budget)
+        if self.scheduler.speculative is not None and self.scheduler.speculative.disable_by_batch_size is None:
+            self.scheduler.step_cost = self._step_cost()  # a set disable_by_batch_size decides alone
         log.info("scheduler ready", extra={"token_budget": self.scheduler.token_budget,
                                            "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
         self.step_count = 0
         self.failed_steps_in_a_row = 0
         self.structured = StructuredOutputManager(self._model_tokenizer, self.vocab_size)
         self._compiling: list[Sample] = []  # samples whose output constraint is still compiling
+
+    def _step_cost(self) -> StepCost:
+        """The forward pass's time by rows, for speculative decoding's per-step decision: measured
+        on this model and plan once per process (engines over one model share it)."""
+        key = (id(self.executor.model), self.executor.plan.describe()["dtype"], self.executor.plan.quantized_max_rows,
+               torch.get_num_threads())
+        table = _STEP_COST_TABLES.get(key)
+        if table is None:
+            t0 = time.perf_counter()
+            table = _STEP_COST_TABLES[key] = self.executor.runner.time_rows(StepCost.ROWS)
+            log.info("speculative decoding: step cost measured", extra={
+                "took_ms": round((time.perf_counter() - t0) * 1000, 1),
+                "ms_by_rows": {r: round(t * 1000, 2) for r, t in table.items()}})
+        return StepCost(table)
 
     def _model_tokenizer(self):
         """The model's HF tokenizer, which output constraints are compiled against."""

@@ -191,6 +191,29 @@ class ModelRunner:
         return times
 
     @torch.inference_mode()
+    def time_rows(self, rows: tuple[int, ...], repeats: int = 2) -> dict[int, float]:
+        """Seconds of a forward pass (and its logits) over n rows as one chunk, for each n (the
+        fastest of `repeats`; speculative decoding's StepCost). Only while no request holds a block."""
+        bs = self.block_size
+        limit = self.kv_caches[0][0].shape[0]
+        out = {}
+        for n in rows:
+            if n > limit:
+                break
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                positions = torch.arange(n, dtype=torch.long, device=self.device)
+                meta = self.attention.build_metadata(positions.clone(), positions, [],
+                                                     [PrefillChunk(0, 0, n, list(range(-(-n // bs))))])
+                hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions,
+                                    self.kv_caches, meta)
+                self.model.compute_logits(hidden)
+                best = min(best, time.perf_counter() - t0)
+            out[n] = best
+        return out
+
+    @torch.inference_mode()
     def last_logits(self, token_ids: list[int]) -> torch.Tensor:
         """One prompt's next-token logits [vocab], computed alone in one chunk outside any step
         (warm_up's prefill; accuracy checks: tests and benchmarks compare backends on it). Only

@@ -29,7 +29,8 @@ from tessera_engine.kv_cache import KVCacheManager, KVCopy
 from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, IterationStats, ModelRunnerOutput,
                                     RequestError, RequestTiming, ScheduledSample, SchedulerOutput)
 from tessera_engine.request import RequestStatus, Sample, SampleKey
-from tessera_engine.speculative import NgramProposer, SpeculativeConfig, speculation_allowed
+from tessera_engine.speculative import (ACCEPTANCE_EMA, ACCEPTANCE_RECOVERY, INITIAL_ACCEPTANCE, NgramProposer,
+                                       SpeculativeConfig, StepCost, expected_accepted, speculation_allowed)
 
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
@@ -54,6 +55,8 @@ class Scheduler:
         # no speculation with more running samples than this (0: no limit); set by the engine
         # core from the measured limit when the configuration leaves it open
         self.speculation_max_batch = self.speculative.disable_by_batch_size or 0 if self.speculative else 0
+        self.step_cost: StepCost | None = None  # set by the engine core (measured): guesses only where they pay
+        self.acceptance: dict[SampleKey, float] = {}  # per sample: its guesses' acceptance rate (EMA)
 
     # -- queues ----------------------------------------------------------------
     def _order(self, req: Sample) -> tuple:
@@ -105,6 +108,7 @@ class Scheduler:
             self.arrived.remove(req)
         self.kv.free(req)
         self.requests.pop(req.key, None)
+        self.acceptance.pop(req.key, None)
 
     def abort(self, keys: list[SampleKey]) -> list[EngineCoreOutput]:
         """Abort these samples; unknown or finished ones are ignored. One output per abort."""
@@ -160,13 +164,14 @@ class Scheduler:
         # 1. running requests: one decode token each (plus guesses, speculating), or the next prefill chunk
         speculate = self.proposer is not None and (not self.speculation_max_batch
                                                    or len(self.running) <= self.speculation_max_batch)
+        drafts = self._drafts(budget) if speculate else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if speculate and num_new == 1:
-                draft = self._draft(req, budget - 1)
-                if draft and self.kv.allocate(req, 1 + len(draft)):
+            draft = drafts.get(req.key)
+            if draft and num_new == 1 and len(draft) < budget:
+                if self.kv.allocate(req, 1 + len(draft)):
                     scheduled.append(ScheduledSample(req, 1 + len(draft), req.num_computed_tokens,
                                                      self.kv.block_table(req), draft))
                     budget -= 1 + len(draft)
@@ -223,6 +228,28 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted, self.token_budget - budget, kv_copies)
 
+    def _drafts(self, budget: int) -> dict[SampleKey, list[int]]:
+        """This step's guesses, by sample: none unless, by the measured step cost and the
+        samples' acceptance rates, they are expected to raise the step's tokens per second."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        k = self.speculative.num_speculative_tokens
+        if self.step_cost is not None and not self.step_cost.pays(len(self.running), len(decoding) * k,
+                                                                   len(decoding) * k, len(decoding)):
+            return {}  # not even every guess of every sample accepted would pay: no lookups
+        drafts = {}
+        room = budget - len(self.running)
+        for req in decoding:
+            draft = self._draft(req, room)
+            if draft:
+                drafts[req.key] = draft
+                room -= len(draft)
+        if drafts and self.step_cost is not None:
+            extra = sum(expected_accepted(self.acceptance.get(k, INITIAL_ACCEPTANCE), len(d)) for k, d in drafts.items())
+            rows = len(self.running)
+            if not self.step_cost.pays(rows, sum(map(len, drafts.values())), extra, len(decoding)):
+                return {}
+        return drafts
+
     def _draft(self, req: Sample, room: int) -> list[int]:
         """Guessed next tokens for a decoding sample (speculative decoding), within the step's
         room and the sample's max_tokens and the model's length; [] where not allowed."""
@@ -243,10 +270,16 @@ class Scheduler:
             accepted = result.accepted.get(req.key, [])
             # with guesses, only the last known token and the accepted guesses were computed
             req.num_computed_tokens += 1 + len(accepted) if s.draft_token_ids else s.num_new_tokens
+            rate = self.acceptance.get(req.key)
             if s.draft_token_ids:
                 num_drafts += 1
                 num_draft_tokens += len(s.draft_token_ids)
                 num_accepted += len(accepted)
+                rate = INITIAL_ACCEPTANCE if rate is None else rate
+                self.acceptance[req.key] = ((1 - ACCEPTANCE_EMA) * rate
+                                            + ACCEPTANCE_EMA * len(accepted) / len(s.draft_token_ids))
+            elif rate is not None:
+                self.acceptance[req.key] = rate + ACCEPTANCE_RECOVERY * (INITIAL_ACCEPTANCE - rate)
             chunk_prompt_logprobs = result.prompt_logprobs.get(req.key)
             if chunk_prompt_logprobs is not None:
                 req.prompt_logprobs.extend(chunk_prompt_logprobs)

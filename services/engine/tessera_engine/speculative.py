@@ -21,6 +21,14 @@ Methods:
 Per request, speculation is off where the sampler's result at a row would depend on the
 guesses before it in ways the verification does not replay: penalties, logprobs, an output
 constraint, min_tokens not reached yet, or prompt logprobs still to compute.
+
+Per step, speculation runs only where it pays, by measurement (StepCost): the engine times
+its forward pass at a range of row counts at start; a step's guesses go in when the tokens
+they are expected to add (each sample's acceptance rate so far, an EMA) per second of the
+longer step beat the plain step's tokens per second. A large batch is compute-bound (k more
+rows a sample cost about k times the time), so speculation turns itself off there, as vLLM's
+disable_by_batch_size does by a set number. A disable_by_batch_size given in the configuration
+decides instead: speculation in every step with at most that many running samples.
 """
 from __future__ import annotations
 
@@ -79,6 +87,44 @@ class SpeculativeConfig:
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
             raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer >= 0, not {d!r}")
+
+
+INITIAL_ACCEPTANCE = 0.5  # a sample's acceptance rate before any of its guesses were verified
+ACCEPTANCE_EMA = 0.3      # weight of a step's verified guesses in a sample's rate
+# a sample that did not speculate in a step drifts this much back towards INITIAL_ACCEPTANCE, so
+# that one whose guesses failed a while ago (the answer moved on to new text) tries again
+ACCEPTANCE_RECOVERY = 0.1
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Guesses expected to be accepted of k, each accepted with probability alpha after the last."""
+    if alpha >= 1.0:
+        return float(k)
+    return alpha * (1 - alpha ** k) / (1 - alpha)
+
+
+class StepCost:
+    """A step's forward time by its number of rows, measured on the loaded model at start and
+    interpolated linearly between the measured row counts (beyond the last: proportionally)."""
+
+    ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def __init__(self, table: dict[int, float]) -> None:
+        self.rows = sorted(table)
+        self.seconds = [table[r] for r in self.rows]
+
+    def __call__(self, rows: int) -> float:
+        if rows <= self.rows[0]:
+            return self.seconds[0]
+        for (r0, t0), (r1, t1) in zip(zip(self.rows, self.seconds), zip(self.rows[1:], self.seconds[1:])):
+            if rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        return self.seconds[-1] * rows / self.rows[-1]
+
+    def pays(self, rows: int, extra_rows: int, expected_extra_tokens: float, tokens: int) -> bool:
+        """Whether adding extra_rows (guesses) that are expected to yield expected_extra_tokens
+        raises the step's tokens per second (tokens: what the plain step yields)."""
+        return (tokens + expected_extra_tokens) * self(rows) > tokens * self(rows + extra_rows)
 
 
 class NgramProposer:

@@ -12,7 +12,10 @@ from tessera_engine.speculative import NgramProposer, SpeculativeConfig
 
 from helpers.engine_fixtures import chat_prompts, hf_tokenizer, loaded_fp32, make_core, model_source  # noqa: F401
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+# a set disable_by_batch_size: speculation in every step of these small batches (the measured
+# gate, which decides otherwise, is tested on its own below)
+NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+         '"disable_by_batch_size": 16}')
 PASSAGE = ("The keeper climbed the stairs at dusk with a brass lantern and a notebook of passing ships. "
            "In forty years he filled sixty notebooks and stacked them on the shelf by his bed. ")
 
@@ -48,6 +51,34 @@ def test_speculative_config_is_vllm_s_json_and_bad_values_are_named(monkeypatch)
     monkeypatch.setenv("TESSERA_SPECULATIVE_CONFIG", '{"method": "x"}')
     with pytest.raises(SystemExit):
         parse_args([])
+
+
+@pytest.mark.unit
+def test_the_step_cost_gate_speculates_where_guesses_raise_tokens_per_second():
+    from tessera_engine.speculative import StepCost, expected_accepted
+
+    # a pass over the weights up to 8 rows, then compute-bound: time grows with rows
+    cost = StepCost({1: 4.0, 8: 5.0, 64: 35.0, 256: 140.0})
+    assert cost(4) == pytest.approx(4.0 + 3 / 7) and cost(512) == pytest.approx(280.0)
+    assert expected_accepted(0.0, 4) == 0 and expected_accepted(1.0, 4) == 4
+    assert expected_accepted(0.5, 2) == pytest.approx(0.75)
+    # one sample, 4 guesses at a 0.7 acceptance: 5 rows cost ~1.2x one, ~1.9 tokens more
+    assert cost.pays(1, 4, expected_accepted(0.7, 4), 1)
+    assert not cost.pays(1, 4, expected_accepted(0.05, 4), 1)  # guesses that keep failing
+    # 64 samples: even every guess accepted does not pay for 5x the rows
+    assert not cost.pays(64, 256, 256, 64)
+
+
+@pytest.mark.unit
+def test_a_large_batch_makes_no_guesses_under_the_measured_gate(make_core, chat_prompts):
+    from tessera_engine.speculative import StepCost
+
+    core = make_core(speculative_config='{"method": "ngram", "prompt_lookup_min": 1}')
+    assert core.scheduler.step_cost is not None  # measured at start
+    core.scheduler.step_cost = StepCost({1: 4.0, 8: 5.0, 64: 35.0, 256: 140.0})
+    prompts = [list(p) + [13, 14, 15, 13, 14, 15, 13, 14] for p in chat_prompts[:40]]
+    _, totals = _run(core, prompts, lambda i: SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert totals["guessed"] == 0, totals
 
 
 def _prompts(hf_tokenizer, chat_prompts) -> list[list[int]]:

@@ -132,25 +132,36 @@ async def _restart(engine: launch.Service) -> float:
 
 async def disturb(engines: list[launch.Service], mode: str, every_s: float, done: asyncio.Event,
                   events: list[dict]) -> None:
-    """Until `done`: kill: every ~every_s seconds SIGKILL the next engine, then restart it;
-    rolling: SIGTERM each engine in turn, wait for its exit (its drain), restart it, wait every_s."""
+    """Until `done`: kill: every ~every_s seconds SIGKILL the next engine that is up and restart
+    it in the background (never the last one serving); rolling: SIGTERM each engine in turn,
+    wait for its exit (its drain), restart it and wait until it serves, then every_s more."""
     rng = random.Random(99)
+    restarting: dict[str, asyncio.Task] = {}
+
+    async def restart(engine, event) -> None:
+        event["restart_s"] = round(await _restart(engine), 2)
+
     for engine in itertools.cycle(engines):
         try:
             await asyncio.wait_for(done.wait(), every_s * (rng.uniform(0.75, 1.25) if mode == "kill" else 1.0))
-            return
+            break
         except asyncio.TimeoutError:
             pass
         t = time.monotonic()
         if mode == "kill":
+            up = [e for e in engines if e.name not in restarting or restarting[e.name].done()]
+            if engine not in up or len(up) < 2:
+                continue
             engine.kill()
-            events.append({"event": "SIGKILL", "engine": engine.name, "at": t})
+            events.append({"event": "SIGKILL", "engine": engine.name, "at": round(t, 2)})
+            restarting[engine.name] = asyncio.create_task(restart(engine, events[-1]))
         else:
             engine.process.send_signal(signal.SIGTERM)
             code = await asyncio.get_running_loop().run_in_executor(None, engine.process.wait, 120)
-            events.append({"event": "SIGTERM", "engine": engine.name, "at": t, "exit": code,
+            events.append({"event": "SIGTERM", "engine": engine.name, "at": round(t, 2), "exit": code,
                            "drain_s": round(time.monotonic() - t, 2)})
-        events[-1]["restart_s"] = round(await _restart(engine), 2)
+            await restart(engine, events[-1])
+    await asyncio.gather(*restarting.values())
 
 
 def engine_states(engines: list[launch.Service], seconds: float = 60.0) -> dict[str, dict]:
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every-s", type=float, default=20.0, help="kill: seconds between kills (jittered); "
                    "rolling: seconds between one engine serving again and the next SIGTERM")
     p.add_argument("--modes", default="kill,rolling")
-    p.add_argument("--max-tokens", default="8,48", help="range of max_tokens, drawn per request")
+    p.add_argument("--max-tokens", default="16,96", help="range of max_tokens, drawn per request")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="compute threads per engine (several engines share the machine's cores)")
     p.add_argument("--seed", type=int, default=1234)

@@ -130,3 +130,13 @@ def test_token_ids_with_an_unknown_vocabulary_only_refuse_negative_ids():
 def test_problems_read_field_first():
     assert str(Problem("top_p", "must be in (0, 1] (got 2)")) == "top_p: must be in (0, 1] (got 2)"
     assert CHAT_ROLES == ("system", "user", "assistant", "tool")
+
+
+def test_resumed_samples_of_a_migrated_request_are_checked():
+    from tessera.common.request_rules import resumed_problem
+
+    params = common_pb2.SamplingParams(max_tokens=5, n=2)
+    assert resumed_problem({0: [1, 2], 1: []}, params, vocab_size=100) is None
+    assert "not one of the request's n = 2" in str(resumed_problem({2: [1]}, params, vocab_size=100))
+    assert "it has finished" in str(resumed_problem({0: [1, 2, 3, 4, 5]}, params, vocab_size=100))
+    assert "outside the vocabulary" in str(resumed_problem({1: [7, 100]}, params, vocab_size=100))

@@ -87,8 +87,8 @@ def misspell(sentence: str, rng: random.Random) -> str:
     return " ".join(words)
 
 
-def grounded_prompts(tokenizer, n: int = 16, seed: int = 7) -> list[list[int]]:
-    """n passages of 300-800 tokens each with a task; token ids after the chat template."""
+def grounded_texts(tokenizer, n: int = 16, seed: int = 7) -> list[str]:
+    """n user messages: a passage of 300-800 tokens followed by a task on it."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -97,11 +97,15 @@ def grounded_prompts(tokenizer, n: int = 16, seed: int = 7) -> list[list[int]]:
         while len(tokenizer.encode(" ".join(sentences))) < target:
             s = rng.choice(SENTENCES)
             sentences.append(misspell(s, rng) if rng.random() < 0.5 else s)
-        text = " ".join(sentences) + "\n\n" + TASKS[i % len(TASKS)]
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            return_dict=False)
-        out.append(list(ids))
+        out.append(" ".join(sentences) + "\n\n" + TASKS[i % len(TASKS)])
     return out
+
+
+def grounded_prompts(tokenizer, n: int = 16, seed: int = 7) -> list[list[int]]:
+    """The grounded messages' token ids after the chat template."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               return_dict=False))
+            for text in grounded_texts(tokenizer, n, seed)]
 
 
 def run_engine(loaded, config, prompts: list[list[int]], params) -> dict:
@@ -213,13 +217,7 @@ def served(args) -> dict:
 
     src = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
-    texts = [tok.decode(p) for p in grounded_prompts(tok)]  # the user message, recovered below
-
-    def user_message(ids_text: str) -> str:
-        start = ids_text.index("<|im_start|>user\n") + len("<|im_start|>user\n")
-        return ids_text[start:ids_text.index("<|im_end|>", start)]
-
-    messages = [user_message(t) for t in texts]
+    messages = grounded_texts(tok)  # sent as chat messages: the server applies the template
 
     async def one_by_one(server) -> list:
         async with http_client(1) as client:

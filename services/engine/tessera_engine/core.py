@@ -80,8 +80,8 @@ class EngineCore:
     def _step_cost(self) -> StepCost:
         """The forward pass's time by rows, for speculative decoding's per-step decision: measured
         on this model and plan once per process (engines over one model share it)."""
-        key = (id(self.executor.model), self.executor.plan.describe()["dtype"], self.executor.plan.quantized_max_rows,
-               torch.get_num_threads())
+        plan = self.executor.plan
+        key = (id(self.executor.model), plan.dtype, plan.quantized_max_rows, torch.get_num_threads())
         table = _STEP_COST_TABLES.get(key)
         if table is None:
             t0 = time.perf_counter()

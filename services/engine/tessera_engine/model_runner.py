@@ -194,7 +194,6 @@ class ModelRunner:
     def time_rows(self, rows: tuple[int, ...], repeats: int = 2) -> dict[int, float]:
         """Seconds of a forward pass (and its logits) over n rows as one chunk, for each n (the
         fastest of `repeats`; speculative decoding's StepCost). Only while no request holds a block."""
-        bs = self.block_size
         limit = self.kv_caches[0][0].shape[0]
         out = {}
         for n in rows:
@@ -203,12 +202,7 @@ class ModelRunner:
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                positions = torch.arange(n, dtype=torch.long, device=self.device)
-                meta = self.attention.build_metadata(positions.clone(), positions, [],
-                                                     [PrefillChunk(0, 0, n, list(range(-(-n // bs))))])
-                hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions,
-                                    self.kv_caches, meta)
-                self.model.compute_logits(hidden)
+                self.model.compute_logits(self._one_chunk([0] * n))
                 best = min(best, time.perf_counter() - t0)
             out[n] = best
         return out
@@ -218,13 +212,17 @@ class ModelRunner:
         """One prompt's next-token logits [vocab], computed alone in one chunk outside any step
         (warm_up's prefill; accuracy checks: tests and benchmarks compare backends on it). Only
         while no request holds a block: it writes K/V from block 0 on."""
+        return self.model.compute_logits(self._one_chunk(token_ids)[-1:])[0]
+
+    def _one_chunk(self, token_ids: list[int]) -> torch.Tensor:
+        """The hidden states of these tokens run alone as one chunk from position 0, K/V written
+        from block 0 on (callers run it only while no request holds a block)."""
         n = len(token_ids)
         positions = torch.arange(n, dtype=torch.long, device=self.device)
         table = list(range(-(-n // self.block_size)))
         meta = self.attention.build_metadata(positions.clone(), positions, [], [PrefillChunk(0, 0, n, table)])
-        hidden = self.model(torch.tensor(token_ids, dtype=torch.long, device=self.device), positions,
-                            self.kv_caches, meta)
-        return self.model.compute_logits(hidden[-1:])[0]
+        return self.model(torch.tensor(token_ids, dtype=torch.long, device=self.device), positions,
+                          self.kv_caches, meta)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, s: ScheduledSample
                          ) -> list[TokenLogprobs | None]:

@@ -52,9 +52,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = NgramProposer(self.speculative) if self.speculative else None
-        # no speculation with more running samples than this (0: no limit); set by the engine
-        # core from the measured limit when the configuration leaves it open
-        self.speculation_max_batch = self.speculative.disable_by_batch_size or 0 if self.speculative else 0
+        # no speculation with more running samples than this (0: no limit): the configuration's
+        # disable_by_batch_size; left unset, step_cost decides each step instead
+        self.speculation_max_batch = (self.speculative.disable_by_batch_size or 0) if self.speculative else 0
         self.step_cost: StepCost | None = None  # set by the engine core (measured): guesses only where they pay
         self.acceptance: dict[SampleKey, float] = {}  # per sample: its guesses' acceptance rate (EMA)
 
@@ -244,9 +244,9 @@ class Scheduler:
                 drafts[req.key] = draft
                 room -= len(draft)
         if drafts and self.step_cost is not None:
-            extra = sum(expected_accepted(self.acceptance.get(k, INITIAL_ACCEPTANCE), len(d)) for k, d in drafts.items())
-            rows = len(self.running)
-            if not self.step_cost.pays(rows, sum(map(len, drafts.values())), extra, len(decoding)):
+            extra = sum(expected_accepted(self.acceptance.get(key, INITIAL_ACCEPTANCE), len(draft))
+                        for key, draft in drafts.items())
+            if not self.step_cost.pays(len(self.running), sum(map(len, drafts.values())), extra, len(decoding)):
                 return {}
         return drafts
 

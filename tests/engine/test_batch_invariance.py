@@ -88,3 +88,22 @@ def test_a_resumed_request_continues_exactly_where_it_stopped(default_plan, chat
         for o in core.step():
             rest.setdefault(o.index, []).extend(o.new_token_ids)
     assert {i: resumed[i] + rest[i] for i in rest} == whole
+
+
+def test_a_bad_resumed_request_is_refused_and_the_running_one_finishes_untouched(default_plan, chat_prompts):
+    from tessera_engine.core import RequestRejected
+
+    _, loaded = default_plan
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = run(EngineCore(EngineConfig(), loaded), [chat_prompts[2]], params, "a")[0]
+    core = EngineCore(EngineConfig(), loaded)
+    core.add_request(EngineCoreRequest("ok", list(chat_prompts[2]), params))
+    got = core.step()[0].new_token_ids  # it runs
+    for resumed, named in (({3: [1]}, "not one of the request's n = 1"), ({0: list(range(12))}, "has finished"),
+                           ({0: [10**7]}, "outside the vocabulary")):
+        with pytest.raises(RequestRejected, match=named) as refused:
+            core.add_request(EngineCoreRequest("bad", list(chat_prompts[3]), params, resumed=resumed))
+        assert refused.value.code == "INVALID_ARGUMENT"
+    while core.has_unfinished():
+        got += [t for o in core.step() for t in o.new_token_ids]
+    assert got == alone

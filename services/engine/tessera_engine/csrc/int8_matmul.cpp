@@ -1,4 +1,4 @@
-// tessera's CPU kernels: the matmul of a few activation rows with Q4_0 / Q4_1 / Q8_0 weights
+// tessera's CPU kernels: the matmul of activation rows with Q4_0 / Q4_1 / Q8_0 weights
 // on integer dot products, as llama.cpp computes it: each 32-value block of an activation row
 // is quantized to int8 with a float scale per 16 values (x ~ dx * xq), and each half of a weight
 // block contributes
@@ -10,6 +10,11 @@
 // reads each weight byte once and spends a few instructions per 512 weights, instead of
 // dequantizing every weight to bfloat16 first (quantized_matmul.cpp), which left a single
 // request's step compute-bound at ~2.5x the time its bytes take to stream from memory.
+// Many rows (batch invariance runs every batch size here) go 8 at a time through a row group:
+// each weight vector, unpacked once, feeds 16 independent chains of vpdpbusd, and each row's
+// block ends in a few float multiply-adds (its two scales, the weight block's d and m). The
+// activations are quantized 16 values an instruction sequence (scalar code there had cost a
+// quarter of a 64-row step).
 //
 // Not bit-exact with the dequantized weights: the activations lose precision to int8 (the
 // same trade llama.cpp makes); the backend plan uses this path only where the plan says so
@@ -70,30 +75,48 @@ void check_repacked(const at::Tensor& wp, int64_t qt, int64_t K, const char* wha
 // the activations' own rounding.
 struct QuantizedActivations {
   std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<int32_t> sum;
+  std::vector<float> scale;   // [M, K / 16]: dx of each half block
+  // [M, K / 32]: dx0 (sum of half 0's quants) + dx1 (half 1's): what a weight block's constant
+  // multiplies (Q4_0's and Q8_0's offset of the unsigned quants, Q4_1's minimum)
+  std::vector<float> offset;
 };
 
 template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
   const int64_t nh = K / 16;
-  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nh), std::vector<int32_t>(M * nh)};
+  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nh), std::vector<float>(M * nh / 2)};
   at::parallel_for(0, M, 16, [&](int64_t mb, int64_t me) {
-    alignas(64) float v[16];
     for (int64_t m = mb; m < me; ++m) {
       for (int64_t h = 0; h < nh; ++h) {
+        int8_t* q = a.q.data() + m * K + 16 * h;
+        float d;
+        int32_t s;
+#if defined(__AVX512F__)
+        // the scalar loop below, 16 values at once: the same products, rounded to nearest
+        // even as nearbyint does, so both give the same quants
+        const __m512 v = load16(x + m * K + 16 * h);
+        const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+        d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qi));
+        s = _mm512_reduce_add_epi32(qi);
+#else
+        alignas(64) float v[16];
         to_float(x + m * K + 16 * h, v, 16);
         float amax = 0.f;
         for (int j = 0; j < 16; ++j) amax = std::max(amax, std::fabs(v[j]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int8_t* q = a.q.data() + m * K + 16 * h;
-        int32_t s = 0;
+        d = amax / 127.f;
+        const float id = d > 0.f ? 1.f / d : 0.f;
+        s = 0;
         for (int j = 0; j < 16; ++j) {
           q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
           s += q[j];
         }
+#endif
         a.scale[m * nh + h] = d;
-        a.sum[m * nh + h] = s;
+        if (h % 2 == 0) a.offset[m * nh / 2 + h / 2] = d * static_cast<float>(s);
+        else a.offset[m * nh / 2 + h / 2] += d * static_cast<float>(s);
       }
     }
   });
@@ -101,58 +124,61 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// y[m, 16g .. 16g + 15] for rows m0 .. m0 + MT - 1: the whole K of one row group.
+// y[m, 16g .. 16g + 15] for rows m0 .. m0 + MT - 1: the whole K of one row group. Each row's
+// arithmetic is the same whatever MT is (rows never share a sum), so a row's result does not
+// depend on how many rows the call has: the batch invariance the backend plan promises.
 template <int64_t qt, int MT, typename T>
 inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivations& a, int64_t K, int64_t m0,
                        const float* bias, T* y, int64_t N, int64_t g) {
   constexpr int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
+  // the unsigned quants' offset, taken back out in float (exact: |sums| < 2^24)
+  constexpr float off = qt == kQ4_0 ? 8.f : qt == kQ8_0 ? 128.f : 0.f;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // three accumulators a row (low halves, high halves, Q4_1's minimum), summed at the end:
-  // one chain of dependent multiply-adds a block would bound a one-row matmul by its latency
-  __m512 acc[MT], acc_hi[MT], acc_min[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = acc_hi[i] = acc_min[i] = _mm512_setzero_ps();
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = grp + b * gbb;
-    __m512i w[8];
-    if constexpr (qt == kQ8_0) {
-      for (int i = 0; i < 8; ++i) w[i] = _mm512_loadu_si512(blk + 64 * i);
-    } else {
-      for (int i = 0; i < 4; ++i) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * i);
-        w[i] = _mm512_and_si512(v, low4);                          // weights 4i .. 4i + 3
-        w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);  // weights 16 + 4i ..
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb)));
+    // the MT rows' sums side by side: 2 MT independent chains of multiply-adds in flight
+    __m512i s0[MT], s1[MT];
+    for (int i = 0; i < MT; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {
+      __m512i w0, w1;  // weights 4k .. 4k + 3 and 16 + 4k .. 16 + 4k + 3 of the 16 rows
+      if constexpr (qt == kQ8_0) {
+        w0 = _mm512_loadu_si512(blk + 64 * k);
+        w1 = _mm512_loadu_si512(blk + 64 * (4 + k));
+      } else {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * k);
+        w0 = _mm512_and_si512(v, low4);
+        w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xq = a.q.data() + (m0 + i) * K + 32 * b;
+        int32_t x0, x1;
+        std::memcpy(&x0, xq + 4 * k, 4);
+        std::memcpy(&x1, xq + 16 + 4 * k, 4);
+        // weights 0..15 and 16..31: one sum each, for their own scales
+        s0[i] = _mm512_dpbusd_epi32(s0[i], w0, _mm512_set1_epi32(x0));
+        s1[i] = _mm512_dpbusd_epi32(s1[i], w1, _mm512_set1_epi32(x1));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb)));
     __m512 mn = _mm512_setzero_ps();
     if constexpr (qt == kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb + 32)));
     for (int i = 0; i < MT; ++i) {
-      const int64_t m = m0 + i, h = (m * nb + b) * 2;  // the row's two half-block scales
-      int32_t xw[8];
-      std::memcpy(xw, a.q.data() + m * K + 32 * b, 32);
-      // weights 0..15 (w[0..3]) and 16..31 (w[4..7]): one sum each, for their own scales
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int k = 0; k < 4; ++k) {
-        s0 = _mm512_dpbusd_epi32(s0, w[k], _mm512_set1_epi32(xw[k]));
-        s1 = _mm512_dpbusd_epi32(s1, w[4 + k], _mm512_set1_epi32(xw[4 + k]));
-      }
-      const int32_t xs0 = a.sum[h], xs1 = a.sum[h + 1];
-      if constexpr (qt == kQ4_0 || qt == kQ8_0) {  // unsigned quants: the offset back out
-        constexpr int32_t off = qt == kQ4_0 ? 8 : 128;
-        s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(off * xs0));
-        s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(off * xs1));
-      }
-      const float dx0 = a.scale[h], dx1 = a.scale[h + 1];
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, _mm512_set1_ps(dx0)), acc[i]);
-      acc_hi[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d, _mm512_set1_ps(dx1)), acc_hi[i]);
-      if constexpr (qt == kQ4_1)
-        acc_min[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dx0 * static_cast<float>(xs0) + dx1 * static_cast<float>(xs1)),
-                                     acc_min[i]);
+      const int64_t m = m0 + i;
+      const float* dx = a.scale.data() + (m * nb + b) * 2;
+      const float c = a.offset[m * nb + b];
+      // Q4_0 / Q8_0: the offset (c scaled by -8 / -128, exactly: powers of two) starts the sum
+      __m512 t = off != 0.f ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]), _mm512_set1_ps(-off * c))
+                            : _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]));
+      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0]), t);
+      acc[i] = _mm512_fmadd_ps(t, d, acc[i]);
+      if constexpr (qt == kQ4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(c), acc[i]);
     }
   }
   for (int i = 0; i < MT; ++i) {
     alignas(64) float res[kRows];
-    __m512 r = _mm512_add_ps(_mm512_add_ps(acc[i], acc_hi[i]), acc_min[i]);
+    __m512 r = acc[i];
     if (bias) r = _mm512_add_ps(r, _mm512_loadu_ps(bias + kRows * g));
     _mm512_store_ps(res, r);
     from_float(res, y + (m0 + i) * N + kRows * g, kRows);
@@ -222,6 +248,7 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
         for (int64_t g = gb; g < ge; ++g) {
           const uint8_t* grp = w + g * gstride;
           int64_t m = 0;
+          for (; m + 8 <= M; m += 8) group_rows<QT, 8>(grp, nb, a, K, m, bp, yp, N, g);
           for (; m + 4 <= M; m += 4) group_rows<QT, 4>(grp, nb, a, K, m, bp, yp, N, g);
           switch (M - m) {
             case 3: group_rows<QT, 3>(grp, nb, a, K, m, bp, yp, N, g); break;

@@ -77,14 +77,18 @@ struct QuantizedActivations {
   std::vector<int8_t> q;
   std::vector<float> scale;   // [M, K / 16]: dx of each half block
   // [M, K / 32]: dx0 (sum of half 0's quants) + dx1 (half 1's): what a weight block's constant
-  // multiplies (Q4_0's and Q8_0's offset of the unsigned quants, Q4_1's minimum)
+  // multiplies (Q4_1's minimum)
   std::vector<float> offset;
+  // [M, K / 16]: the sum of each half block's quants (Q4_0's and Q8_0's offset of the unsigned
+  // quants, taken back out of the integer sums: in float the large sums would cancel)
+  std::vector<int32_t> sum;
 };
 
 template <typename T>
 QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
   const int64_t nh = K / 16;
-  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nh), std::vector<float>(M * nh / 2)};
+  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nh), std::vector<float>(M * nh / 2),
+                         std::vector<int32_t>(M * nh)};
   at::parallel_for(0, M, 16, [&](int64_t mb, int64_t me) {
     for (int64_t m = mb; m < me; ++m) {
       for (int64_t h = 0; h < nh; ++h) {
@@ -115,6 +119,7 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
         }
 #endif
         a.scale[m * nh + h] = d;
+        a.sum[m * nh + h] = s;
         if (h % 2 == 0) a.offset[m * nh / 2 + h / 2] = d * static_cast<float>(s);
         else a.offset[m * nh / 2 + h / 2] += d * static_cast<float>(s);
       }
@@ -131,8 +136,7 @@ template <int64_t qt, int MT, typename T>
 inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivations& a, int64_t K, int64_t m0,
                        const float* bias, T* y, int64_t N, int64_t g) {
   constexpr int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
-  // the unsigned quants' offset, taken back out in float (exact: |sums| < 2^24)
-  constexpr float off = qt == kQ4_0 ? 8.f : qt == kQ8_0 ? 128.f : 0.f;
+  constexpr int32_t off = qt == kQ4_0 ? 8 : qt == kQ8_0 ? 128 : 0;  // the unsigned quants' offset
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
@@ -167,13 +171,15 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
     for (int i = 0; i < MT; ++i) {
       const int64_t m = m0 + i;
       const float* dx = a.scale.data() + (m * nb + b) * 2;
-      const float c = a.offset[m * nb + b];
-      // Q4_0 / Q8_0: the offset (c scaled by -8 / -128, exactly: powers of two) starts the sum
-      __m512 t = off != 0.f ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]), _mm512_set1_ps(-off * c))
-                            : _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]));
+      if constexpr (off != 0) {  // exactly, in the integer sums
+        const int32_t* xs = a.sum.data() + (m * nb + b) * 2;
+        s0[i] = _mm512_sub_epi32(s0[i], _mm512_set1_epi32(off * xs[0]));
+        s1[i] = _mm512_sub_epi32(s1[i], _mm512_set1_epi32(off * xs[1]));
+      }
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]));
       t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0]), t);
       acc[i] = _mm512_fmadd_ps(t, d, acc[i]);
-      if constexpr (qt == kQ4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(c), acc[i]);
+      if constexpr (qt == kQ4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.offset[m * nb + b]), acc[i]);
     }
   }
   for (int i = 0; i < MT; ++i) {

@@ -35,6 +35,14 @@ def test_family_matches_hf_greedy_through_the_safetensors_loader(family, tmp_pat
     ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
     for i, (got, ref) in enumerate(zip(engine_greedy(loaded, speculative_config=ngram), want)):
         assert got == ref, f"{family}, prompt {i}, speculating"
+    # draft-model speculation: the model drafting for itself (every guess right), and another
+    # random model of the same vocabulary (guesses mostly wrong): no token changes either way
+    other = "llama" if family != "llama" else "qwen2"
+    prepared(other, seed=12).save_pretrained(tmp_path / "draft", safe_serialization=True)
+    for draft in (tmp_path, tmp_path / "draft"):
+        spec = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3, "disable_by_batch_size": 8}}'
+        for i, (got, ref) in enumerate(zip(engine_greedy(loaded, speculative_config=spec), want)):
+            assert got == ref, f"{family}, prompt {i}, draft model {draft.name}"
 
 
 def test_a_family_the_engine_cannot_run_is_refused_naming_it_and_those_it_can(tmp_path):

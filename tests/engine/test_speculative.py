@@ -1,7 +1,7 @@
 """Speculative decoding (tessera_engine.speculative): the n-gram proposer, the configuration, and
 the engine's outputs with speculation equal to those without it, greedy and seeded, with prefix
 caching, chunked prefill, preemption, stop tokens, max_tokens and requests speculation skips
-(logprobs, penalties) in the same batch."""
+(logprobs, penalties) in the same batch; by n-gram lookup and by a draft model."""
 from __future__ import annotations
 
 import pytest
@@ -38,7 +38,8 @@ def test_speculative_config_is_vllm_s_json_and_bad_values_are_named(monkeypatch)
     c = SpeculativeConfig.parse(NGRAM)
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 4, 2)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
-    for bad, named in (('{"method": "medusa"}', "method"), ('{"num_speculative_tokens": 2}', "method"),
+    for bad, named in (('{"method": "medusa"}', "method"), ('{"method": "draft_model"}', "needs a model"),
+                       ('{"method": "ngram", "model": "x"}', "draft_model method's"), ('{"num_speculative_tokens": 2}', "method"),
                        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
                        ('{"method": "ngram", "lookahead": 3}', "lookahead"), ("[1]", "JSON object"),
                        ("{", "not JSON"),
@@ -142,3 +143,84 @@ def test_seeded_samples_with_speculation_equal_those_without_over_many_seeds(mak
     want, _ = _run(make_core(), prompts, params)
     got, totals = _run(make_core(speculative_config=NGRAM), prompts, params)
     assert got == want and totals["accepted"] > 0
+
+
+def _draft_config(model_source, k: int = 3) -> str:
+    """The default model drafting for itself (its guesses are the target's greedy tokens)."""
+    path = model_source.directory / model_source.gguf_file
+    return f'{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": {k}, "disable_by_batch_size": 16}}'
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("setting", [dict(), dict(max_num_batched_tokens=24), dict(num_kv_blocks=14)],
+                         ids=["plain", "chunked-prefill", "preempting"])
+def test_draft_model_outputs_equal_those_without_speculation(make_core, model_source, hf_tokenizer, chat_prompts,
+                                                             setting):
+    """Guesses from a draft model with its own paged KV cache: greedy and seeded samples keep
+    their tokens, in a batch with requests speculation skips; the draft's blocks all come back."""
+    prompts = _prompts(hf_tokenizer, chat_prompts)
+    want, _ = _run(make_core(**setting), prompts, _mixed_params)
+    core = make_core(speculative_config=_draft_config(model_source), **setting)
+    drafter = core.scheduler.proposer
+    got, totals = _run(core, prompts, _mixed_params)
+    assert got == want
+    # greedy guesses of the target's own weights: the greedy samples take nearly all of them
+    assert totals["accepted"] > 0.6 * totals["guessed"] > 0, totals
+    assert not drafter.states and len(drafter.free) == core.executor.num_blocks  # released at finish
+    again, _ = _run(core, prompts, _mixed_params)  # the prefix cache's blocks, a fresh draft cache
+    assert again == want
+
+
+@pytest.mark.unit
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_both(make_core, tmp_path):
+    import transformers as tf
+
+    tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2)).save_pretrained(
+        tmp_path, safe_serialization=True)
+    spec = f'{{"method": "draft_model", "model": "{tmp_path}"}}'
+    with pytest.raises(ValueError, match=r"vocabulary of 160 tokens, the target's has 49152"):
+        make_core(speculative_config=spec)
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_speculated_sampling_follows_the_target_distribution_chi_square(make_core, model_source, chat_prompts):
+    """Sampling at temperature 1 with a draft model's guesses (greedy: accepted when the target's
+    draw equals them, the rest of the time the draw is another token): the second token, given
+    the most common first one, is distributed as the target's softmax (Pearson's chi-square,
+    p > 0.001), over 800 seeds."""
+    import torch
+
+    core = make_core(speculative_config=_draft_config(model_source, k=2).replace('"disable_by_batch_size": 16',
+                                                                                 '"disable_by_batch_size": 0'))
+    prompt = list(chat_prompts[0])
+    for seed in range(800):
+        core.add_request(EngineCoreRequest(f"s{seed}", prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=3,
+                                                                              ignore_eos=True)))
+    pairs, guessed = {}, 0
+    while core.has_unfinished():
+        step = core.run_step()
+        guessed += step.iteration.num_draft_tokens
+        for o in step.outputs:
+            pairs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert guessed > 0
+    firsts = [p[0] for p in pairs.values()]
+    mode = max(set(firsts), key=firsts.count)
+    seconds = [p[1] for p in pairs.values() if p[0] == mode]
+    assert len(seconds) >= 200, len(seconds)
+    probs = torch.softmax(core.executor.runner.last_logits(prompt + [mode]).double(), -1)
+    expected = probs * len(seconds)
+    bins = [int(t) for t in torch.nonzero(expected >= 5).flatten()]
+    observed = [seconds.count(t) for t in bins]
+    want = [float(expected[t]) for t in bins]
+    observed.append(len(seconds) - sum(observed))  # every other token, pooled
+    want.append(len(seconds) - sum(want))
+    if want[-1] < 5:  # too little left to pool: fold it into the largest bin
+        observed[0] += observed.pop()
+        want[0] += want.pop()
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, want))
+    df = len(want) - 1
+    assert df >= 2, want
+    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
+    assert chi2 < critical, (chi2, critical, observed, [round(w, 1) for w in want])

@@ -29,7 +29,7 @@ from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, EngineS
                                     RequestError)
 from tessera_engine.request import EngineCoreRequest, Sample, SampleKey
 from tessera_engine.scheduler import Scheduler
-from tessera_engine.speculative import StepCost
+from tessera_engine.speculative import SpeculativeConfig, StepCost
 from tessera_engine.structured_output import Constraint, StructuredOutputManager, hf_tokenizer_of
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,13 @@ class EngineCore:
         self.default_eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
                                        config.enable_prefix_caching, self.executor.model.sliding_window)
-        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, self.executor.plan.token_budget)
-        if self.scheduler.speculative is not None and self.scheduler.speculative.disable_by_batch_size is None:
+        speculative = SpeculativeConfig.parse(config.speculative_config)
+        drafter = self.executor.draft_proposer(speculative) if speculative and speculative.method == "draft_model" else None
+        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, self.executor.plan.token_budget, drafter)
+        if speculative is not None and speculative.disable_by_batch_size is None:
             self.scheduler.step_cost = self._step_cost()  # a set disable_by_batch_size decides alone
+            if drafter is not None:
+                drafter.measure_cost()
         log.info("scheduler ready", extra={"token_budget": self.scheduler.token_budget,
                                            "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
         self.step_count = 0

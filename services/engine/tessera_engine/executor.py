@@ -62,6 +62,14 @@ class UniProcExecutor:
             budget = config.kv_cache_gib * (1 << 30)
         return max(1, int(budget // per_block))
 
+    def draft_proposer(self, speculative):
+        """Speculative decoding's draft model, loaded in this plan, its KV pool as many blocks
+        (tokens) as the target's."""
+        from tessera_engine.draft_model import DraftModelProposer
+
+        return DraftModelProposer(speculative, self.plan, self.hf_config, self.num_blocks,
+                                  self.runner.block_size, self.max_model_len)
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
 

@@ -39,7 +39,9 @@ _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 token_budget: int) -> None:
+                 token_budget: int, proposer=None) -> None:
+        """proposer: speculative decoding's, where its method needs the model (draft_model:
+        the executor builds it); n-gram lookups are made here."""
         self.config = config
         self.kv = kv_cache
         self.max_model_len = max_model_len
@@ -51,7 +53,11 @@ class Scheduler:
         self.requests: dict[SampleKey, Sample] = {}
         self.num_preemptions = 0
         self.speculative = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        if self.speculative is not None and proposer is None:
+            if self.speculative.method != "ngram":
+                raise ValueError(f"speculative method {self.speculative.method} needs its proposer")
+            proposer = NgramProposer(self.speculative)
+        self.proposer = proposer
         # no speculation with more running samples than this (0: no limit): the configuration's
         # disable_by_batch_size; left unset, step_cost decides each step instead
         self.speculation_max_batch = (self.speculative.disable_by_batch_size or 0) if self.speculative else 0
@@ -109,6 +115,8 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.key, None)
         self.acceptance.pop(req.key, None)
+        if self.proposer is not None:
+            self.proposer.release(req.key)
 
     def abort(self, keys: list[SampleKey]) -> list[EngineCoreOutput]:
         """Abort these samples; unknown or finished ones are ignored. One output per abort."""
@@ -233,31 +241,33 @@ class Scheduler:
         samples' acceptance rates, they are expected to raise the step's tokens per second."""
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         k = self.speculative.num_speculative_tokens
-        if self.step_cost is not None and not self.step_cost.pays(len(self.running), len(decoding) * k,
-                                                                   len(decoding) * k, len(decoding)):
-            return {}  # not even every guess of every sample accepted would pay: no lookups
-        drafts = {}
+        if self.step_cost is not None and not self.step_cost.pays(
+                len(self.running), len(decoding) * k, len(decoding) * k, len(decoding),
+                self.proposer.cost(len(decoding), k)):
+            return {}  # not even every guess of every sample accepted would pay: no proposals
+        items = []
         room = budget - len(self.running)
         for req in decoding:
-            draft = self._draft(req, room)
-            if draft:
-                drafts[req.key] = draft
-                room -= len(draft)
+            n = self._guess_count(req, room)
+            if n > 0:
+                items.append((req.key, req.all_token_ids, n))
+                room -= n
+        drafts = self.proposer.propose_many(items) if items else {}
         if drafts and self.step_cost is not None:
             extra = sum(expected_accepted(self.acceptance.get(key, INITIAL_ACCEPTANCE), len(draft))
                         for key, draft in drafts.items())
+            # the proposals are made (their cost is spent): only the longer step counts now
             if not self.step_cost.pays(len(self.running), sum(map(len, drafts.values())), extra, len(decoding)):
                 return {}
         return drafts
 
-    def _draft(self, req: Sample, room: int) -> list[int]:
-        """Guessed next tokens for a decoding sample (speculative decoding), within the step's
-        room and the sample's max_tokens and the model's length; [] where not allowed."""
+    def _guess_count(self, req: Sample, room: int) -> int:
+        """How many tokens to guess for a decoding sample (speculative decoding): within the
+        step's room, the sample's max_tokens and the model's length; 0 where not allowed."""
         if not speculation_allowed(req):
-            return []
-        k = min(self.speculative.num_speculative_tokens, room,
-                req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-        return self.proposer.propose(req.all_token_ids, k) if k > 0 else []
+            return 0
+        return max(0, min(self.speculative.num_speculative_tokens, room,
+                          req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1))
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply one step's model output; returns the step's outputs and its stats (the core

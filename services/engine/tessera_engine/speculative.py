@@ -17,6 +17,12 @@ Methods:
 - ngram (prompt lookup decoding, vLLM's `ngram`): the longest suffix of the sample's tokens
   (prompt_lookup_max down to prompt_lookup_min tokens) that occurred before, latest
   occurrence first; the tokens that followed it are the guesses.
+- draft_model (vLLM's `draft_model`, `model` naming it): a smaller model with the target's
+  vocabulary decodes the guesses greedily, with its own paged KV cache (draft_model.py).
+
+A proposer has one interface, whichever the method: propose_many((key, tokens, k), ...) for
+the step's samples at once, cost(samples, k) for the seconds that takes, release(key) when a
+sample ends.
 
 Per request, speculation is off where the sampler's result at a row would depend on the
 guesses before it in ways the verification does not replay: penalties, logprobs, an output
@@ -37,7 +43,7 @@ import json
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,7 @@ class SpeculativeConfig:
     # no speculation in a step with more running samples than this (vLLM's name); None: the
     # limit measured on this machine (backend_plan), 0: never off
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's path (a GGUF file or an HF directory)
 
     @classmethod
     def parse(cls, text: str | dict | None) -> "SpeculativeConfig | None":
@@ -70,7 +77,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
         if "method" not in raw:
-            raise ValueError("--speculative-config needs a method (ngram)")
+            raise ValueError(f"--speculative-config needs a method ({', '.join(METHODS)})")
         config = cls(**raw)
         config.validate()
         return config
@@ -84,6 +91,10 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config: {name} must be an integer >= 1, not {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("--speculative-config: prompt_lookup_min must be <= prompt_lookup_max")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("--speculative-config: method draft_model needs a model (the draft's path)")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"--speculative-config: model is the draft_model method's, not {self.method}'s")
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
             raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer >= 0, not {d!r}")
@@ -121,10 +132,12 @@ class StepCost:
                 return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
         return self.seconds[-1] * rows / self.rows[-1]
 
-    def pays(self, rows: int, extra_rows: int, expected_extra_tokens: float, tokens: int) -> bool:
+    def pays(self, rows: int, extra_rows: int, expected_extra_tokens: float, tokens: int,
+             overhead: float = 0.0) -> bool:
         """Whether adding extra_rows (guesses) that are expected to yield expected_extra_tokens
-        raises the step's tokens per second (tokens: what the plain step yields)."""
-        return (tokens + expected_extra_tokens) * self(rows) > tokens * self(rows + extra_rows)
+        raises the step's tokens per second (tokens: what the plain step yields; overhead: the
+        seconds the guesses take to make)."""
+        return (tokens + expected_extra_tokens) * self(rows) > tokens * (self(rows + extra_rows) + overhead)
 
 
 class NgramProposer:
@@ -152,6 +165,21 @@ class NgramProposer:
                 i = int(starts[-1]) + n
                 return tokens[i:i + k]
         return []
+
+    def propose_many(self, items: list[tuple]) -> dict:
+        """propose for each (key, tokens, k); only the samples with guesses."""
+        out = {}
+        for key, tokens, k in items:
+            guess = self.propose(tokens, k)
+            if guess:
+                out[key] = guess
+        return out
+
+    def cost(self, samples: int, k: int) -> float:
+        return 0.0  # lookups: microseconds, against milliseconds of a step
+
+    def release(self, key) -> None:
+        pass
 
 
 def speculation_allowed(sample) -> bool:

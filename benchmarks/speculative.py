@@ -150,9 +150,10 @@ def inprocess(args) -> dict:
     grounded = grounded_prompts(tok)
     chats = chat_prompts(tok, 64)
     plan, loaded = plan_backends(EngineConfig())
-    configs = {"plain": EngineConfig(), "ngram": EngineConfig(speculative_config=NGRAM)}
+    spec = args.speculative_config
+    configs = {"plain": EngineConfig(), "ngram": EngineConfig(speculative_config=spec)}
     if args.fixed_batch_limit:  # vLLM's way: speculation whenever at most this many samples run
-        configs["ngram_cap"] = EngineConfig(speculative_config=NGRAM[:-1] + f', "disable_by_batch_size": {args.fixed_batch_limit}}}')
+        configs["ngram_cap"] = EngineConfig(speculative_config=spec.rstrip()[:-1] + f', "disable_by_batch_size": {args.fixed_batch_limit}}}')
     greedy = SamplingParams(temperature=0.0, max_tokens=args.grounded_tokens)
     burst = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     run_engine(loaded, configs["plain"], grounded[:1], greedy)  # warm-up: shapes, allocator
@@ -227,7 +228,7 @@ def served(args) -> dict:
                 out.append(await send(SampleRequest(prompt=m, prompt_len=0, expected_output_len=args.grounded_tokens)))
             return out
 
-    sides = {"plain": [], "ngram": ["--speculative-config", NGRAM]}
+    sides = {"plain": [], "ngram": ["--speculative-config", args.speculative_config]}
     rounds = {side: [] for side in sides}
     for r in range(args.rounds):
         for side in (sides if r % 2 == 0 else reversed(list(sides))):
@@ -252,6 +253,9 @@ def served(args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--speculative-config", default=NGRAM,
+                    help="the speculating side's --speculative-config (default: n-gram, 4 guesses; the "
+                         "side keeps the name ngram in the report whatever the method)")
     ap.add_argument("--grounded-tokens", type=int, default=256)
     ap.add_argument("--served", action="store_true", help="also the served single-request comparison")
     ap.add_argument("--fixed-batch-limit", type=int, default=4,

@@ -10,7 +10,8 @@
 // reads each weight byte once and spends a few instructions per 512 weights, instead of
 // dequantizing every weight to bfloat16 first (quantized_matmul.cpp), which left a single
 // request's step compute-bound at ~2.5x the time its bytes take to stream from memory.
-// Many rows (batch invariance runs every batch size here) go 8 at a time through a row group:
+// Many rows (batch invariance runs every batch size here) go 8 at a time through a row group
+// (the last 1-7 in one tile of their own):
 // each weight vector, unpacked once, feeds 16 independent chains of vpdpbusd, and each row's
 // block ends in a few float multiply-adds (its two scales, the weight block's d and m). The
 // activations are quantized 16 values an instruction sequence (scalar code there had cost a
@@ -255,8 +256,12 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
           const uint8_t* grp = w + g * gstride;
           int64_t m = 0;
           for (; m + 8 <= M; m += 8) group_rows<QT, 8>(grp, nb, a, K, m, bp, yp, N, g);
-          for (; m + 4 <= M; m += 4) group_rows<QT, 4>(grp, nb, a, K, m, bp, yp, N, g);
+          // the rest in one tile: a speculating sample's 1 + k rows take one pass, not two
           switch (M - m) {
+            case 7: group_rows<QT, 7>(grp, nb, a, K, m, bp, yp, N, g); break;
+            case 6: group_rows<QT, 6>(grp, nb, a, K, m, bp, yp, N, g); break;
+            case 5: group_rows<QT, 5>(grp, nb, a, K, m, bp, yp, N, g); break;
+            case 4: group_rows<QT, 4>(grp, nb, a, K, m, bp, yp, N, g); break;
             case 3: group_rows<QT, 3>(grp, nb, a, K, m, bp, yp, N, g); break;
             case 2: group_rows<QT, 2>(grp, nb, a, K, m, bp, yp, N, g); break;
             case 1: group_rows<QT, 1>(grp, nb, a, K, m, bp, yp, N, g); break;

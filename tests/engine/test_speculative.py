@@ -224,3 +224,29 @@ def test_speculated_sampling_follows_the_target_distribution_chi_square(make_cor
     assert df >= 2, want
     critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3  # Wilson-Hilferty, p = 0.001
     assert chi2 < critical, (chi2, critical, observed, [round(w, 1) for w in want])
+
+
+@pytest.mark.unit
+def test_logprobs_with_speculation_equal_those_without(make_core, hf_tokenizer, chat_prompts):
+    """A request with logprobs speculates too: every token, accepted guess or drawn, comes with
+    the logprobs plain decoding gives it (each row is computed as a decode of its position)."""
+    prompts = _prompts(hf_tokenizer, chat_prompts)[:3]
+
+    def run(core):
+        for i, p in enumerate(prompts):
+            core.add_request(EngineCoreRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=40, logprobs=2,
+                                                                          stop_token_ids=[13])))
+        got, accepted = {}, 0
+        while core.has_unfinished():
+            step = core.run_step()
+            accepted += step.iteration.num_accepted_tokens
+            for o in step.outputs:
+                assert len(o.logprobs) == len(o.new_token_ids)
+                assert [lp.token_id for lp in o.logprobs] == o.new_token_ids
+                got.setdefault(o.request_id, []).extend(
+                    (lp.token_id, lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs) for lp in o.logprobs)
+        return got, accepted
+
+    want, _ = run(make_core())
+    got, accepted = run(make_core(speculative_config=NGRAM))
+    assert accepted > 0 and got == want

@@ -157,6 +157,10 @@ class ModelRunner:
                     a += 1
                 out.accepted[s.sample.key] = s.draft_token_ids[:a]
                 out.sampled[s.sample.key] = drawn[a]
+                if s.sample.params.logprobs is not None:  # each row's, for the token it drew
+                    rows_lp = result.logprobs[first:first + a + 1]
+                    out.accepted_logprobs[s.sample.key] = rows_lp[:a]
+                    out.logprobs[s.sample.key] = rows_lp[a]
         return out
 
     @torch.inference_mode()

@@ -65,6 +65,8 @@ class ModelRunnerOutput:
     # speculative decoding: the guessed tokens the sampler agreed with, which come before the
     # sampled token (so the sample gains len + 1 tokens)
     accepted: dict[SampleKey, list[int]] = dataclasses.field(default_factory=dict)
+    # and, when asked, the logprobs of each accepted guess (the sampled token's are in logprobs)
+    accepted_logprobs: dict[SampleKey, list[TokenLogprobs]] = dataclasses.field(default_factory=dict)
 
 
 class RequestError(NamedTuple):

@@ -312,8 +312,8 @@ class Scheduler:
             req.last_token_time = now
             out = make_output(req, new_tokens, now)
             lp = result.logprobs.get(req.key)
-            if lp is not None:
-                out.logprobs = [lp]
+            if lp is not None:  # one a new token (a stop may have cut the accepted guesses short)
+                out.logprobs = [*result.accepted_logprobs.get(req.key, ()), lp][:len(new_tokens)]
             if not req.prompt_logprobs_done:
                 out.prompt_logprobs = req.prompt_logprobs
                 req.prompt_logprobs_done = True

@@ -25,8 +25,10 @@ the step's samples at once, cost(samples, k) for the seconds that takes, release
 sample ends.
 
 Per request, speculation is off where the sampler's result at a row would depend on the
-guesses before it in ways the verification does not replay: penalties, logprobs, an output
-constraint, min_tokens not reached yet, or prompt logprobs still to compute.
+guesses before it in ways the verification does not replay: penalties (counted over the output
+so far), an output constraint (its mask advances token by token), min_tokens not reached yet
+(EOS masked by count), or prompt logprobs still to compute. Logprobs are served: each row's are
+those of the token it drew, which for an accepted guess is the guess.
 
 Per step, speculation runs only where it pays, by measurement (StepCost): the engine times
 its forward pass at a range of row counts at start; a step's guesses go in when the tokens
@@ -185,5 +187,5 @@ class NgramProposer:
 def speculation_allowed(sample) -> bool:
     """Whether a sample's rows can be verified by the sampler alone (see the module doc)."""
     p = sample.params
-    return (not p.has_penalties and p.logprobs is None and sample.constraint is None
+    return (not p.has_penalties and sample.constraint is None
             and sample.prompt_logprobs_done and sample.num_output_tokens >= p.min_tokens)

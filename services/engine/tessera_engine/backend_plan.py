@@ -178,18 +178,25 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
     else:
         keep, why["keep_quantized"] = True, "GGUF quantized blocks kept for the CPU kernels' quantized matmul"
 
-    if loaded is None:
+    own_model = loaded is None
+    if own_model:
         loaded = load_model(config.model, config.max_model_len, dtype, device, keep_quantized=keep)
     else:
         weight = loaded.model.embed_tokens.weight
         if weight.dtype != dtype or weight.device.type != device.type:
             raise ValueError(f"the model given is {weight.dtype} on {weight.device.type}; this engine's plan "
                              f"is {dtype} on {device.type}")
-    loaded.model.pack_dense(ops.dense_packing)
     if keep:
         loaded.model.prepare_quantized(ops)
     else:
         why["quantized_matmul"] = "no quantized blocks kept"
+    if (keep and own_model and config.batch_invariant and config.quantized_max_rows is None
+            and loaded.model.has_quantized()):
+        # every batch size will take the quantized matmul (below): the dense copies of those
+        # layers would never be read. A model given by the caller may serve other plans: kept.
+        dropped = loaded.model.drop_dense_of_quantized()
+        why["dense_copies"] = f"dropped for {dropped} quantized layers: batch-invariant, never read"
+    loaded.model.pack_dense(ops.dense_packing)
 
     if not keep:
         rows, why["quantized_max_rows"] = 0, "no quantized blocks kept"

@@ -60,6 +60,7 @@ class Linear(nn.Linear):
         self.qpath: QuantizedPath | None = None  # the ops' kernels for qweight (prepare_quantized)
         self.qlinear = None
         self.q_max_rows = 0
+        self.dense_dropped = False  # the dense weight was freed: the quantized one serves every batch
 
     def pack_for_good(self, packing=ONEDNN) -> None:
         """Pack the bf16 CPU weight now (models/packed_linear.py) and free the plain copy, which
@@ -67,7 +68,7 @@ class Linear(nn.Linear):
         file's quantized one, where it has it), not two. Nothing happens where the weight
         cannot be packed."""
         self._pw.use(packing)
-        if self._pw.frozen or not self._pw.freeze(self.weight):
+        if self.dense_dropped or self._pw.frozen or not self._pw.freeze(self.weight):
             return
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
                                    requires_grad=False)
@@ -76,6 +77,9 @@ class Linear(nn.Linear):
         if self.qlinear is not None and x.dim() == 2 and x.shape[0] <= self.q_max_rows:
             return self.qlinear(x if x.is_contiguous() else x.contiguous(), self.qweight.data,
                                 self.qweight.qtype, self.bias)
+        if self.dense_dropped:
+            raise RuntimeError("this layer's dense weight was dropped (batch-invariant plan): "
+                               f"{tuple(x.shape)} activations cannot take the quantized matmul")
         return self._pw.linear(x, self.weight, self.bias)
 
 
@@ -213,6 +217,18 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack_for_good(packing)
+
+    def drop_dense_of_quantized(self) -> int:
+        """Free the dense weight of every linear layer whose quantized weight the ops run
+        (prepare_quantized), for a plan that never multiplies by it; returns how many."""
+        n = 0
+        for m in self.modules():
+            if isinstance(m, Linear) and m.qpath is not None and m.weight.numel():
+                m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype, device=m.weight.device),
+                                        requires_grad=False)
+                m.dense_dropped = True
+                n += 1
+        return n
 
     def has_quantized(self) -> bool:
         return self.embed_q is not None or any(isinstance(m, Linear) and m.qweight is not None

@@ -241,10 +241,14 @@ class Scheduler:
         samples' acceptance rates, they are expected to raise the step's tokens per second."""
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         k = self.speculative.num_speculative_tokens
+        # before any lookup: would k guesses a sample pay even at the best acceptance rate of any
+        # of them? At a large batch no (a step's time grows with its rows), and the lookups
+        # themselves (a millisecond or more for 64 samples) are skipped
+        best = max((self.acceptance.get(r.key, INITIAL_ACCEPTANCE) for r in decoding), default=INITIAL_ACCEPTANCE)
         if self.step_cost is not None and not self.step_cost.pays(
-                len(self.running), len(decoding) * k, len(decoding) * k, len(decoding),
+                len(self.running), len(decoding) * k, len(decoding) * expected_accepted(best, k), len(decoding),
                 self.proposer.cost(len(decoding), k)):
-            return {}  # not even every guess of every sample accepted would pay: no proposals
+            return {}
         items = []
         room = budget - len(self.running)
         for req in decoding:

@@ -141,6 +141,18 @@ class BackendPlan:
                 "why": dict(self.why)}
 
 
+def prepare_weights(model, ops: TorchOps, keep_quantized: bool, drop_dense: bool) -> int:
+    """A loaded model's weights put once in the layouts the plan's kernels read: the quantized
+    ones prepared for the ops (keep_quantized), the dense copies of those layers freed where the
+    plan never reads them (drop_dense), the rest packed for the dense matmul. Returns how many
+    dense copies were dropped. For the engine's model and speculative decoding's draft."""
+    if keep_quantized:
+        model.prepare_quantized(ops)
+    dropped = model.drop_dense_of_quantized() if drop_dense else 0
+    model.pack_dense(ops.dense_packing)
+    return dropped
+
+
 def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tuple[BackendPlan, LoadedModel]:
     """Decide, bind the compute threads, load the weights as decided (unless `loaded`, a model
     already loaded in this plan's device and dtype, is given), pack them, time the quantized
@@ -186,17 +198,15 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
         if weight.dtype != dtype or weight.device.type != device.type:
             raise ValueError(f"the model given is {weight.dtype} on {weight.device.type}; this engine's plan "
                              f"is {dtype} on {device.type}")
-    if keep:
-        loaded.model.prepare_quantized(ops)
-    else:
+    # batch-invariant, every batch size takes the quantized matmul (below): the dense copies of
+    # those layers would never be read. A model given by the caller may serve other plans: kept.
+    drop = (keep and own_model and config.batch_invariant and config.quantized_max_rows is None
+            and loaded.model.has_quantized())
+    dropped = prepare_weights(loaded.model, ops, keep, drop)
+    if not keep:
         why["quantized_matmul"] = "no quantized blocks kept"
-    if (keep and own_model and config.batch_invariant and config.quantized_max_rows is None
-            and loaded.model.has_quantized()):
-        # every batch size will take the quantized matmul (below): the dense copies of those
-        # layers would never be read. A model given by the caller may serve other plans: kept.
-        dropped = loaded.model.drop_dense_of_quantized()
+    if drop:
         why["dense_copies"] = f"dropped for {dropped} quantized layers: batch-invariant, never read"
-    loaded.model.pack_dense(ops.dense_packing)
 
     if not keep:
         rows, why["quantized_max_rows"] = 0, "no quantized blocks kept"

@@ -29,7 +29,7 @@ from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, EngineS
                                     RequestError)
 from tessera_engine.request import EngineCoreRequest, Sample, SampleKey
 from tessera_engine.scheduler import Scheduler
-from tessera_engine.speculative import SpeculativeConfig, StepCost
+from tessera_engine.speculative import NgramProposer, SpeculativeConfig, StepCost
 from tessera_engine.structured_output import Constraint, StructuredOutputManager, hf_tokenizer_of
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,14 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
                                        config.enable_prefix_caching, self.executor.model.sliding_window)
         speculative = SpeculativeConfig.parse(config.speculative_config)
-        drafter = self.executor.draft_proposer(speculative) if speculative and speculative.method == "draft_model" else None
-        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, self.executor.plan.token_budget, drafter)
+        proposer = None
+        if speculative is not None:
+            proposer = (self.executor.draft_proposer(speculative) if speculative.method == "draft_model"
+                        else NgramProposer(speculative))
+        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, self.executor.plan.token_budget, proposer)
         if speculative is not None and speculative.disable_by_batch_size is None:
             self.scheduler.step_cost = self._step_cost()  # a set disable_by_batch_size decides alone
-            if drafter is not None:
-                drafter.measure_cost()
+            proposer.measure_cost()
         log.info("scheduler ready", extra={"token_budget": self.scheduler.token_budget,
                                            "max_num_seqs": config.max_num_seqs, "policy": config.scheduling_policy})
         self.step_count = 0

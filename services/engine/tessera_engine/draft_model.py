@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from tessera_engine.backend_plan import ALL_ROWS, BackendPlan
+from tessera_engine.backend_plan import ALL_ROWS, BackendPlan, prepare_weights
 from tessera_engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from tessera_engine.models.loader import load_model
 from tessera_engine.outputs import ScheduledSample
@@ -55,14 +55,11 @@ class DraftModelProposer:
                              f"{loaded.hf_config.vocab_size} tokens, the target's has {target_hf_config.vocab_size}: "
                              f"a draft model must share the target's tokenizer")
         model = loaded.model
-        if plan.keep_quantized:
-            model.prepare_quantized(plan.ops)
         # the draft's guesses never reach the output, only how many are accepted: its quantized
         # layers (if any) take their quantized matmul at every batch size, and need no dense copy
         rows = ALL_ROWS if plan.keep_quantized and model.has_quantized() else 0
-        if rows:
-            model.drop_dense_of_quantized()
-        model.pack_dense(plan.ops.dense_packing)
+        prepare_weights(model, plan.ops, plan.keep_quantized, drop_dense=rows > 0)
+        self.config = config
         self.runner = ModelRunner(model, loaded.hf_config, num_blocks, block_size,
                                   dataclasses.replace(plan, quantized_max_rows=rows))
         self.block_size = block_size

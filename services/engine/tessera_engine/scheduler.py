@@ -29,8 +29,8 @@ from tessera_engine.kv_cache import KVCacheManager, KVCopy
 from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, IterationStats, ModelRunnerOutput,
                                     RequestError, RequestTiming, ScheduledSample, SchedulerOutput)
 from tessera_engine.request import RequestStatus, Sample, SampleKey
-from tessera_engine.speculative import (ACCEPTANCE_EMA, ACCEPTANCE_RECOVERY, INITIAL_ACCEPTANCE, NgramProposer,
-                                       SpeculativeConfig, StepCost, expected_accepted, speculation_allowed)
+from tessera_engine.speculative import (ACCEPTANCE_EMA, ACCEPTANCE_RECOVERY, INITIAL_ACCEPTANCE, SpeculativeConfig,
+                                       StepCost, expected_accepted, speculation_allowed)
 
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
@@ -40,8 +40,8 @@ _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int,
                  token_budget: int, proposer=None) -> None:
-        """proposer: speculative decoding's, where its method needs the model (draft_model:
-        the executor builds it); n-gram lookups are made here."""
+        """proposer: speculative decoding's (speculative.py: n-gram, or the executor's draft
+        model), carrying its configuration; None: no speculation."""
         self.config = config
         self.kv = kv_cache
         self.max_model_len = max_model_len
@@ -52,12 +52,8 @@ class Scheduler:
         self.running: list[Sample] = []
         self.requests: dict[SampleKey, Sample] = {}
         self.num_preemptions = 0
-        self.speculative = SpeculativeConfig.parse(config.speculative_config)
-        if self.speculative is not None and proposer is None:
-            if self.speculative.method != "ngram":
-                raise ValueError(f"speculative method {self.speculative.method} needs its proposer")
-            proposer = NgramProposer(self.speculative)
         self.proposer = proposer
+        self.speculative: SpeculativeConfig | None = proposer.config if proposer is not None else None
         # no speculation with more running samples than this (0: no limit): the configuration's
         # disable_by_batch_size; left unset, step_cost decides each step instead
         self.speculation_max_batch = (self.speculative.disable_by_batch_size or 0) if self.speculative else 0

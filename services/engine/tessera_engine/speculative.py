@@ -20,9 +20,10 @@ Methods:
 - draft_model (vLLM's `draft_model`, `model` naming it): a smaller model with the target's
   vocabulary decodes the guesses greedily, with its own paged KV cache (draft_model.py).
 
-A proposer has one interface, whichever the method: propose_many((key, tokens, k), ...) for
-the step's samples at once, cost(samples, k) for the seconds that takes, release(key) when a
-sample ends.
+A proposer has one interface, whichever the method: its `config`, propose_many((key, tokens,
+k), ...) for the step's samples at once, cost(samples, k) for the seconds that takes (after
+measure_cost at start), release(key) when a sample ends. The engine core builds it and hands it
+to the scheduler.
 
 Per request, speculation is off where the sampler's result at a row would depend on the
 guesses before it in ways the verification does not replay: penalties (counted over the output
@@ -146,6 +147,7 @@ class NgramProposer:
     """Prompt lookup: guesses from the sample's own prompt and output."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -176,6 +178,9 @@ class NgramProposer:
             if guess:
                 out[key] = guess
         return out
+
+    def measure_cost(self) -> None:
+        pass  # nothing to time: see cost
 
     def cost(self, samples: int, k: int) -> float:
         return 0.0  # lookups: microseconds, against milliseconds of a step

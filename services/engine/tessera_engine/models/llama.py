@@ -70,6 +70,14 @@ class Linear(nn.Linear):
         self._pw.use(packing)
         if self.dense_dropped or self._pw.frozen or not self._pw.freeze(self.weight):
             return
+        self._free_weight()
+
+    def drop_dense(self) -> None:
+        """Free the dense weight for good: the quantized one (qpath) serves every batch."""
+        self._free_weight()
+        self.dense_dropped = True
+
+    def _free_weight(self) -> None:
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
                                    requires_grad=False)
 
@@ -224,9 +232,7 @@ class LlamaForCausalLM(nn.Module):
         n = 0
         for m in self.modules():
             if isinstance(m, Linear) and m.qpath is not None and m.weight.numel():
-                m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype, device=m.weight.device),
-                                        requires_grad=False)
-                m.dense_dropped = True
+                m.drop_dense()
                 n += 1
         return n
 

@@ -64,6 +64,16 @@ class EngineConfig:
     # dtype, bit for bit the dequantized weights), int8 (activations quantized to int8 per
     # 16 values, integer dot products: llama.cpp's method) or auto (backend_plan)
     quantized_matmul: str = "auto"
+    # LoRA adapters (lora.py): served at all (--enable-lora; --lora-modules implies it), those
+    # loaded at start as (name, path) pairs, how many run in one step, the largest rank taken
+    enable_lora: bool = False
+    lora_modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     def validate(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -99,5 +109,12 @@ class EngineConfig:
                 and self.num_threads != len(parse_cpu_list(self.cpu_threads_bind))):
             raise ValueError(f"num_threads {self.num_threads} and cpu_threads_bind {self.cpu_threads_bind!r} "
                              "disagree: a CPU list sets the thread count to its length")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], not {self.max_lora_rank}")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"lora_modules: names must be unique and not empty, got {names}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")

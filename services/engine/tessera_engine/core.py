@@ -10,6 +10,7 @@ fan-out), so a slow client never blocks a step.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import logging
@@ -24,6 +25,7 @@ from tessera.common.request_rules import SamplingCaps, request_problem, resumed_
 from tessera_engine.config import EngineConfig
 from tessera_engine.executor import Executor
 from tessera_engine.kv_cache import KVCacheManager
+from tessera_engine.lora import LoRAError
 from tessera_engine.models.loader import LoadedModel
 from tessera_engine.outputs import (EngineCoreOutput, EngineCoreOutputs, EngineStats, IterationStats,
                                     RequestError)
@@ -82,6 +84,9 @@ class EngineCore:
         self.failed_steps_in_a_row = 0
         self.structured = StructuredOutputManager(self._model_tokenizer, self.vocab_size)
         self._compiling: list[Sample] = []  # samples whose output constraint is still compiling
+        self.lora = self.executor.lora  # lora.LoRAManager; None without --enable-lora
+        for name, path in config.lora_modules:  # a bad one at start: the engine can never serve as asked
+            self.load_lora(self.lora.read(name, path))
 
     def _step_cost(self) -> StepCost:
         """The forward pass's time by rows, for speculative decoding's per-step decision: measured
@@ -131,6 +136,20 @@ class EngineCore:
                 raise RequestRejected("INVALID_ARGUMENT", str(problem))
         if any((req.request_id, i) in self.scheduler.requests for i in req.sample_indices()):
             raise RequestRejected("ALREADY_EXISTS", f"request_id {req.request_id!r} is already running")
+        self._adapter_of(req)
+
+    def _adapter_of(self, req: EngineCoreRequest):
+        """The LoRA adapter the request names (None: the base model); RequestRejected NOT_FOUND
+        when this engine does not serve it."""
+        if not req.lora_name:
+            return None
+        if self.lora is None:
+            raise RequestRejected("NOT_FOUND", f"the LoRA adapter {req.lora_name!r} is not served here: this "
+                                               "engine runs without LoRA (--enable-lora, --lora-modules)")
+        try:
+            return self.lora.get(req.lora_name)
+        except LoRAError as exc:
+            raise RequestRejected(exc.code, str(exc)) from None
 
     def _blocks_needed(self, num_tokens: int) -> int:
         """The most blocks a request of num_tokens tokens holds at once: all of them, or with a
@@ -145,8 +164,11 @@ class EngineCore:
         self.check_request(req)
         eos = req.eos_token_ids or self.default_eos
         spec = req.sampling_params.structured
+        adapter = self._adapter_of(req)
         for i in req.sample_indices():
             sample = Sample(req, i, eos)
+            if adapter is not None:
+                sample.lora, sample.cache_salt = adapter, adapter.salt
             if spec is not None:
                 sample.constraint = Constraint(self.structured, spec)
                 self._compiling.append(sample)
@@ -178,6 +200,26 @@ class EngineCore:
     def abort_client(self, client_id: str) -> list[EngineCoreOutput]:
         ids = {r.request_id for r in self.scheduler.requests.values() if r.client_id == client_id}
         return self.abort_requests(list(ids))
+
+    # -- LoRA adapters (read on any thread with self.lora.read; these on the core thread) --
+    def _lora_manager(self):
+        if self.lora is None:
+            raise LoRAError("this engine runs without LoRA: start it with --enable-lora", "FAILED_PRECONDITION")
+        return self.lora
+
+    def load_lora(self, adapter):
+        """Serve an adapter read by LoRAManager.read; LoRAError ALREADY_EXISTS when the name is taken."""
+        return self._lora_manager().register(adapter)
+
+    def unload_lora(self, name: str):
+        """Stop serving an adapter (requests running with it finish); LoRAError NOT_FOUND if unknown."""
+        return self._lora_manager().unregister(name)
+
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """The adapters of the running and of the waiting requests (vLLM's lora_requests_info)."""
+        running = {r.lora.name for r in self.scheduler.running if r.lora is not None}
+        waiting = {r.lora.name for r in self.scheduler.waiting + self.scheduler.arrived if r.lora is not None}
+        return sorted(running), sorted(waiting)
 
     # -- the step --------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -229,9 +271,13 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv = self.kv_cache.stats()
-        return EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, kv.num_blocks,
-                           kv.num_free_blocks, kv.prefix_cache_queries, kv.prefix_cache_hits,
-                           self.scheduler.num_preemptions, kv.usage)
+        stats = EngineStats(len(self.scheduler.running), self.scheduler.num_waiting, kv.num_blocks,
+                            kv.num_free_blocks, kv.prefix_cache_queries, kv.prefix_cache_hits,
+                            self.scheduler.num_preemptions, kv.usage)
+        if self.lora is not None:
+            running, waiting = self.lora_requests_info()
+            stats.lora_running, stats.lora_waiting = tuple(running), tuple(waiting)
+        return stats
 
     # -- in-process convenience (tests, benchmarks) -------------------------------
     def generate(self, requests: list[EngineCoreRequest]) -> dict[SampleKey, list[int]]:
@@ -259,6 +305,7 @@ class InputKind(enum.Enum):
     ABORT_SAMPLES = "abort_samples"  # payload: SampleKeys
     ABORT_CLIENT = "abort_client"    # payload: a client (session) id
     MORE_COMING = "more_coming"      # payload: bool, the sender's hint after its adds
+    CALL = "call"                    # payload: (fn(core), Future): run between steps, result to the future
     STOP = "stop"                    # no payload
 
 
@@ -321,6 +368,13 @@ class EngineCoreLoop:
     def abort_client(self, client_id: str) -> None:
         self.inputs.put(EngineCoreInput(InputKind.ABORT_CLIENT, client_id))
 
+    def call(self, fn: Callable[["EngineCore"], object]) -> concurrent.futures.Future:
+        """Run fn(core) on the core thread between steps (LoRA loads and unloads change what a
+        step reads); its result or exception comes back through the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inputs.put(EngineCoreInput(InputKind.CALL, (fn, future)))
+        return future
+
     def stop(self) -> None:
         self.stopped = True
         self.inputs.put(EngineCoreInput(InputKind.STOP))
@@ -338,6 +392,13 @@ class EngineCoreLoop:
             outs.extend(self.core.abort_samples(arg))
         elif kind is InputKind.ABORT_CLIENT:
             outs.extend(self.core.abort_client(arg))  # nobody reads them, but they are counted and logged
+        elif kind is InputKind.CALL:
+            fn, future = arg
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.core))
+                except Exception as exc:
+                    future.set_exception(exc)
 
     def _take_inputs(self, outs: list[EngineCoreOutput], idle: bool) -> bool | None:
         """Handle the queued inputs; True when there were any, None when told to stop.

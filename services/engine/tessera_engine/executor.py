@@ -45,7 +45,13 @@ class UniProcExecutor:
         if config.max_model_len:  # a shared model may allow more than this engine is configured for
             self.max_model_len = min(config.max_model_len, self.max_model_len)
         self.num_blocks = self._num_blocks(config)
-        self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size, self.plan)
+        self.lora = None
+        if config.lora_enabled:
+            from tessera_engine.lora import LoRAManager
+
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.plan.ops, self.device)
+        self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size, self.plan,
+                                  self.lora)
         self.runner.sampler.seed(config.seed)
         return_freed_memory()
         log.info("kv cache allocated", extra={"num_blocks": self.num_blocks, "block_size": config.block_size,

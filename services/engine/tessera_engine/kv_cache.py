@@ -20,6 +20,10 @@ before the window of a request's next token are freed while it runs, as vLLM's s
 manager does; their table entries become FREED_BLOCK, so positions keep indexing the table.
 A prefix-cache hit then needs only the blocks its first new token's window reaches, not the
 whole chain: the hash of block i still names every token up to it.
+
+K/V depends on more than the tokens where a LoRA adapter runs (its K and V projections):
+such a request's chain starts from its `cache_salt` (a hash naming the adapter and the load
+it came from) instead of nothing, so it shares blocks only with requests of the same adapter.
 """
 from __future__ import annotations
 
@@ -138,7 +142,7 @@ class KVCacheManager:
         tokens = req.all_token_ids
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else req.cache_salt
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
@@ -165,7 +169,7 @@ class KVCacheManager:
             found.append(block_id)
         num = len(found) * self.block_size
         rest = req.all_token_ids[num:num + min(self.block_size - 1, max_tokens - num)]
-        src, t = self._find_partial(hashes[len(found) - 1] if found else None, rest)
+        src, t = self._find_partial(hashes[len(found) - 1] if found else req.cache_salt, rest)
         if src in self._step_copies:
             # the source's first slots are themselves copied this step, and the step's copies
             # all read before any writes: read from where they come (at most what was copied)
@@ -329,7 +333,7 @@ class KVCacheManager:
                 block.block_hash = h
                 self.cached[h] = block.block_id
                 if not self.window:
-                    self._publish_partial(block, hashes[i - 1] if i else None,
+                    self._publish_partial(block, hashes[i - 1] if i else req.cache_salt,
                                           req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
 
     def _publish_partial(self, block: Block, parent: bytes | None, tokens: Sequence[int]) -> None:

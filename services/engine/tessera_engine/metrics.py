@@ -62,6 +62,12 @@ class EngineMetrics:
         self.step_time = histogram("tessera:engine_step_duration_seconds",
                                    "Histogram of engine step (schedule + execute) time in seconds.",
                                    STEP_TIME_BUCKETS)
+        # LoRA (vLLM's lora_requests_info): one series, its labels the adapters of the running and
+        # of the waiting requests (comma-separated) and max_lora, its value when they last changed
+        self.lora_info = Gauge("tessera:lora_requests_info", "Running stats on lora requests.",
+                               ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=registry)
+        self._lora_labels: tuple[str, str, str] | None = None
+        self.max_lora = 0  # set by the server when LoRA is on
         # per finished sample
         success = Counter("tessera:request_success", "Count of successfully processed requests.",
                           labels + ["finished_reason"], registry=registry)
@@ -100,6 +106,13 @@ class EngineMetrics:
         if stats.num_preemptions != self._preemptions:
             self.preemptions.inc(stats.num_preemptions - self._preemptions)
             self._preemptions = stats.num_preemptions
+        if stats.lora_running is not None:
+            labels = (",".join(stats.lora_running), ",".join(stats.lora_waiting), str(self.max_lora))
+            if labels != self._lora_labels:  # one series: the last state, as a scrape should see it
+                if self._lora_labels is not None:
+                    self.lora_info.remove(*self._lora_labels)
+                self.lora_info.labels(*labels).set_to_current_time()
+                self._lora_labels = labels
         if iteration is not None:
             self.step_time.observe(iteration.duration_s)
             self.iteration_tokens.observe(iteration.num_batched_tokens)

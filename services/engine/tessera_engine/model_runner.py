@@ -46,8 +46,10 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 class ModelRunner:
-    def __init__(self, model, hf_config, num_blocks: int, block_size: int, plan: BackendPlan) -> None:
+    def __init__(self, model, hf_config, num_blocks: int, block_size: int, plan: BackendPlan, lora=None) -> None:
+        """lora: the engine's LoRAManager (lora.py), whose layers the model already holds; None: no adapters."""
         self.model = model
+        self.lora = lora
         self.device = device = plan.device
         self.block_size = block_size
         self.dtype = plan.dtype
@@ -113,7 +115,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         ordered, input_ids, positions, meta = self._prepare(sched.scheduled, sched.kv_copies)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.lora is not None:  # each row's adapter slot, in the flat batch's order
+            self.lora.prepare([(s.sample.lora, s.num_new_tokens) for s in ordered])
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.clear()  # warm-up, timing and accuracy passes run the base model
 
         # rows whose last token samples (every row of a sample with guesses, each at its own
         # output position), and prompt-logprob positions

@@ -62,6 +62,22 @@ class TorchOps:
     def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
+    @staticmethod
+    def lora_add(y, x, a, b, slots, scales, bounds) -> None:
+        """y += each row's LoRA delta, in place (lora.LoRALayer: a [S, in, subs * rank] and
+        b [S, rank, out] float32, slots [T] int32 with -1 for none, scales [S, subs], bounds the
+        sub-modules' output columns). Per adapter: shrink its rows, then expand per sub-module."""
+        rank = b.shape[1]
+        cuts = bounds.tolist()
+        for s in torch.unique(slots).tolist():
+            if s < 0:
+                continue
+            rows = (slots == s).nonzero().flatten()
+            h = x.index_select(0, rows).float() @ a[s]
+            delta = torch.cat([(h[:, i * rank:(i + 1) * rank] @ b[s, :, cuts[i]:cuts[i + 1]]) * scales[s, i]
+                               for i in range(len(cuts) - 1)], dim=1)
+            y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
+
 
 class CpuKernelOps(TorchOps):
     name = "cpu_kernels"
@@ -105,3 +121,7 @@ class CpuKernelOps(TorchOps):
 
     def argmax_rows(self, logits):
         return self.kernels.argmax_rows(logits) if logits.is_contiguous() else logits.argmax(dim=-1)
+
+    def lora_add(self, y, x, a, b, slots, scales, bounds):
+        # one row's delta in a fixed order of operations, whatever the batch (batch invariance)
+        self.kernels.lora_add(y, x, a, b, slots, scales, bounds)

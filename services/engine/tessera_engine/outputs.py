@@ -129,6 +129,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     kv_cache_usage: float
+    # LoRA: the adapters of the running and of the waiting requests (None: LoRA off)
+    lora_running: tuple[str, ...] | None = None
+    lora_waiting: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass

@@ -39,6 +39,8 @@ class EngineCoreRequest:
     # A request migrated from another replica: sample index -> the output tokens it already
     # produced; only these samples run, each continuing after its tokens. None: a new request.
     resumed: dict[int, list[int]] | None = None
+    # the LoRA adapter it runs with (lora.LoRAManager's name); "" = the base model
+    lora_name: str = ""
 
     def sample_indices(self) -> list[int]:
         return sorted(self.resumed) if self.resumed else list(range(self.sampling_params.n))
@@ -71,6 +73,10 @@ class Sample:
         # from the sampler at its first draw (the frontend seeds every request at admission)
         self.seed: int | None = self.params.seed
         self.constraint = None  # structured_output.Constraint, set by EngineCore.add_request
+        # LoRA (set by EngineCore.add_request): the adapter it runs with (None: the base model),
+        # and the root of its prefix-cache hash chain (kv_cache: KV is shared only within one adapter)
+        self.lora: object | None = None
+        self.cache_salt: bytes | None = None
         self.prompt_logprobs_done = self.params.prompt_logprobs is None or bool(resumed)
         self.prompt_logprobs: list = []  # gathered over prefill chunks, sent with the first token
         # Timestamps (unix seconds) for the request metrics: queue = first scheduled - queued,

@@ -202,12 +202,17 @@ class Scheduler:
             # req itself was preempted; running[i] is now the next request
 
         # 2. waiting requests, unless this step already had to preempt; one whose output
-        # constraint is still compiling is passed over (the queue behind it goes on)
+        # constraint is still compiling, or whose LoRA adapter would be one more than
+        # max_loras among the running, is passed over (the queue behind it goes on)
+        adapters = {r.lora for r in self.running if r.lora is not None}
         w = 0
         while (not preempted and w < len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[w]
             if req.constraint is not None and not req.constraint.ready:
+                w += 1
+                continue
+            if req.lora is not None and req.lora not in adapters and len(adapters) >= self.config.max_loras:
                 w += 1
                 continue
             hit = self.kv.find_cached_prefix(req)
@@ -227,6 +232,8 @@ class Scheduler:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora)
             scheduled.append(ScheduledSample(req, num_new, num_cached, self.kv.block_table(req)))
             budget -= num_new
 

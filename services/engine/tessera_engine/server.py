@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -50,6 +52,7 @@ from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tessera_engine import allocator, fault_injection
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore, EngineCoreLoop, RequestRejected
+from tessera_engine.lora import LoRAError
 from tessera_engine.metrics import EngineMetrics
 from tessera_engine.outputs import EngineCoreOutput, EngineStats, IterationStats, TokenLogprobs
 from tessera_engine.request import EngineCoreRequest, SampleKey
@@ -135,6 +138,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.metrics = EngineMetrics(
             self.core.model_name, self.core.max_model_len, block_size=self.config.block_size,
             num_blocks=self.core.kv_cache.num_blocks, enable_prefix_caching=self.config.enable_prefix_caching)
+        if self.core.lora is not None:
+            self.metrics.max_lora = self.core.lora.max_loras
         self.metrics.record_step(self.core.stats(), None)
         self.watcher = asyncio.create_task(self._watch_loop(), name="core-loop-watcher")
         freeze_startup_heap(log)
@@ -293,7 +298,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def _submit(self, pb: engine_pb2.EngineRequest, client_id: str, q: SessionOutbox) -> None:
         req = EngineCoreRequest(
-            request_id=pb.request_id, prompt_token_ids=list(pb.prompt_token_ids),
+            request_id=pb.request_id, prompt_token_ids=list(pb.prompt_token_ids), lora_name=pb.lora_name,
             sampling_params=SamplingParams.from_proto(pb.sampling_params), priority=pb.priority,
             arrival_time=pb.arrival_time or time.time(), eos_token_ids=list(pb.eos_token_ids) or None,
             client_id=client_id, resumed={r.index: list(r.output_token_ids) for r in pb.resumed} or None)
@@ -329,6 +334,72 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             model_name=self.core.model_name, max_model_len=self.core.max_model_len,
             vocab_size=self.core.vocab_size, device=str(ex.device), dtype=str(ex.dtype).removeprefix("torch."),
             block_size=self.config.block_size, num_blocks=self.core.kv_cache.num_blocks)
+
+    # -- LoRA adapters ---------------------------------------------------------------
+    def _adapter_proto(self, adapter) -> common_pb2.LoRAAdapter:
+        return common_pb2.LoRAAdapter(name=adapter.name, path=adapter.path, rank=adapter.rank,
+                                      target_modules=adapter.target_modules)
+
+    async def _lora_call(self, context, fn):
+        """fn(core) on the core thread, between steps; a LoRAError ends the call with its status."""
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        try:
+            return await asyncio.wrap_future(self.loop_runner.call(fn))
+        except LoRAError as exc:
+            await context.abort(grpc.StatusCode[exc.code], str(exc))
+
+    async def LoadLoRAAdapter(self, request, context):
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        if self.core.lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this engine runs without LoRA: start it with --enable-lora")
+        if not request.lora_name or not request.lora_path:
+            missing = [f for f in ("lora_name", "lora_path") if not getattr(request, f)]
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{' and '.join(missing)} must be set")
+        if request.lora_name in self.core.lora.adapters:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"LoRA adapter {request.lora_name!r} is already loaded")
+        try:  # read and checked off the event loop and the core thread: nothing changes until it is whole
+            adapter = await asyncio.to_thread(self.core.lora.read, request.lora_name, request.lora_path)
+        except LoRAError as exc:
+            log.warning("lora adapter refused", extra={"lora_name": request.lora_name, "error": str(exc)})
+            await context.abort(grpc.StatusCode[exc.code], str(exc))
+        adapter = await self._lora_call(context, lambda core: core.load_lora(adapter))
+        return self._adapter_proto(adapter)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        adapter = await self._lora_call(context, lambda core: core.unload_lora(request.lora_name))
+        return self._adapter_proto(adapter)
+
+    async def ListLoRAAdapters(self, request, context):
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        lora = self.core.lora
+        if lora is None:
+            return common_pb2.LoRAAdapters(enabled=False)
+        return common_pb2.LoRAAdapters(adapters=[self._adapter_proto(a) for a in list(lora.adapters.values())],
+                                       enabled=True, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank)
+
+
+def parse_lora_modules(items: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules entries, `name=path` or vLLM's JSON form {"name": ..., "path": ...}, as
+    (name, path) pairs; ValueError naming a malformed one."""
+    out = []
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+                name, path = obj["name"], obj["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {item!r} is not JSON with \"name\" and \"path\"") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {item!r} is not name=path")
+        out.append((str(name), str(path)))
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -401,8 +472,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_flag(p, "--allocator", allocator.ENV, "auto", choices=list(allocator.CHOICES),
              help="memory allocator: tcmalloc when found (auto), tcmalloc (required) or system (glibc); "
                   "the engine re-executes itself once to preload it")
+    add_flag(p, "--enable-lora", "TESSERA_ENABLE_LORA", False, type=bool,
+             help="serve LoRA adapters (PEFT's format) beside the base model: a request names one as its model")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   default=os.environ.get("TESSERA_LORA_MODULES", "").split(),
+                   help="LoRA adapters loaded at start, each name=path (or vLLM's JSON {\"name\": ..., "
+                        "\"path\": ...}); implies --enable-lora [env TESSERA_LORA_MODULES, space-separated; "
+                        "default none]")
+    add_flag(p, "--max-loras", "TESSERA_MAX_LORAS", 1, type=int,
+             help="LoRA adapters in one step at most (their weights resident; the least recently used is "
+                  "reloaded when another is needed)")
+    add_flag(p, "--max-lora-rank", "TESSERA_MAX_LORA_RANK", 16, type=int,
+             help="the largest LoRA rank accepted (memory per slot grows with it)")
     add_metrics_flag(p, "engine")
     args = p.parse_args(argv)
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        p.error(str(exc))
     tls.check_flags(p, args)
     problem = allocator.check(args.allocator)
     if problem:
@@ -428,7 +515,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
         gguf_dequantize=args.gguf_dequantize, quantized_max_rows=args.quantized_max_rows,
         quantized_matmul=args.quantized_matmul, batch_invariant=args.batch_invariant,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config, enable_lora=args.enable_lora, lora_modules=args.lora_modules,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 async def serve(args: argparse.Namespace) -> int:

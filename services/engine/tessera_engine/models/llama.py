@@ -61,6 +61,7 @@ class Linear(nn.Linear):
         self.qlinear = None
         self.q_max_rows = 0
         self.dense_dropped = False  # the dense weight was freed: the quantized one serves every batch
+        self.lora = None  # lora.LoRALayer: each row's adapter delta added to the output (attach_lora)
 
     def pack_for_good(self, packing=ONEDNN) -> None:
         """Pack the bf16 CPU weight now (models/packed_linear.py) and free the plain copy, which
@@ -83,12 +84,16 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qlinear is not None and x.dim() == 2 and x.shape[0] <= self.q_max_rows:
-            return self.qlinear(x if x.is_contiguous() else x.contiguous(), self.qweight.data,
-                                self.qweight.qtype, self.bias)
-        if self.dense_dropped:
+            y = self.qlinear(x if x.is_contiguous() else x.contiguous(), self.qweight.data,
+                             self.qweight.qtype, self.bias)
+        elif self.dense_dropped:
             raise RuntimeError("this layer's dense weight was dropped (batch-invariant plan): "
                                f"{tuple(x.shape)} activations cannot take the quantized matmul")
-        return self._pw.linear(x, self.weight, self.bias)
+        else:
+            y = self._pw.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -295,6 +300,32 @@ class LlamaForCausalLM(nn.Module):
             kind = self.embed_qpath.name if use_tied else "dense"
             paths[kind] = paths.get(kind, 0) + 1
         return paths
+
+    # -- LoRA (lora.py) ---------------------------------------------------------------
+    def lora_shapes(self):
+        from tessera_engine.lora import LayerShapes
+
+        attn = self.layers[0].self_attn
+        return LayerShapes(len(self.layers), self.config.hidden_size, attn.q_size, attn.kv_size,
+                           self.layers[0].mlp.inter)
+
+    def lora_targets(self) -> list[tuple[int, str, list[str], list[int], "Linear"]]:
+        """Each linear layer an adapter may change: (layer index, its name, the PEFT modules fused
+        in it, their output column bounds, the layer)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv = attn.q_size, attn.kv_size
+            out += [(i, "qkv_proj", ["q_proj", "k_proj", "v_proj"], [0, q, q + kv, q + 2 * kv], attn.qkv_proj),
+                    (i, "o_proj", ["o_proj"], [0, attn.o_proj.out_features], attn.o_proj),
+                    (i, "gate_up_proj", ["gate_proj", "up_proj"], [0, mlp.inter, 2 * mlp.inter], mlp.gate_up_proj),
+                    (i, "down_proj", ["down_proj"], [0, mlp.down_proj.out_features], mlp.down_proj)]
+        return out
+
+    def attach_lora(self, lora_layers) -> None:
+        """Each LoRALayer onto its linear layer (lora_targets' order)."""
+        for (_, _, _, _, linear), lora in zip(self.lora_targets(), lora_layers):
+            linear.lora = lora
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

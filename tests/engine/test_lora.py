@@ -274,3 +274,21 @@ def test_unknown_adapters_are_refused_and_unloading_lets_running_requests_finish
     with pytest.raises(LoRAError) as gone:
         core.unload_lora("chef")
     assert gone.value.code == "NOT_FOUND"
+
+
+@pytest.mark.unit
+def test_lora_requests_info_keeps_one_series_naming_the_running_and_waiting_adapters():
+    from prometheus_client import CollectorRegistry
+
+    from tessera_engine.metrics import EngineMetrics
+    from tessera_engine.outputs import EngineStats
+
+    reg = CollectorRegistry()
+    m = EngineMetrics("m", 128, block_size=16, num_blocks=8, enable_prefix_caching=True, registry=reg)
+    m.max_lora = 2
+    for running, waiting in ((("a",), ()), (("a", "b"), ("c",))):
+        m.record_step(EngineStats(2, 1, 8, 4, 0, 0, 0, 0.5, running, waiting), None)
+    series = [s for metric in reg.collect() if metric.name == "tessera:lora_requests_info" for s in metric.samples]
+    assert [s.labels for s in series] == [{"running_lora_adapters": "a,b", "waiting_lora_adapters": "c",
+                                           "max_lora": "2"}]
+    assert series[0].value > 0

@@ -344,6 +344,25 @@ async def test_a_lost_engine_s_request_migrates_and_its_text_goes_on_exactly():
 
 
 @run_async
+async def test_the_lora_adapter_goes_with_the_request_and_with_its_migration():
+    engine = FakeEngine()
+    llm = started(engine=engine)
+    try:
+        await collect(llm, max_tokens=2)
+        assert engine.submitted[-1][0].lora_name == ""  # the base model
+        outputs = llm.generate("r1", "a b c", common_pb2.SamplingParams(max_tokens=6), lora_name="sql")
+        first = await outputs.__anext__()
+        assert engine.submitted[-1][0].lora_name == "sql"
+        engine.lose(engine.submitted[-1][0].request_id, "engine fake-engine:1 went away")
+        rest = [out async for out in outputs]
+        moved = engine.submitted[-1][0]
+        assert moved.resumed and moved.lora_name == "sql"  # the rebuilt EngineRequest keeps its adapter
+        assert len([first, *rest]) == 6
+    finally:
+        await llm.close()
+
+
+@run_async
 async def test_a_request_lost_before_its_first_token_migrates_too():
     engine = FakeEngine()
     engine.paused = True

@@ -207,3 +207,18 @@ def test_merged_session_inputs_keep_the_latest_more_coming_hint():
     _merge_inputs(first, engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(request_id="b")]))
     assert not first.more_coming  # the last add said the burst is complete
     assert [r.request_id for r in first.add] == ["a", "b"] and list(first.abort.request_ids) == ["x"]
+
+
+def test_the_same_prompt_under_another_lora_adapter_shares_no_affinity():
+    assert prefix_block_hashes(prompt(1)) != prefix_block_hashes(prompt(1), lora_name="sql")
+    assert prefix_block_hashes(prompt(1), lora_name="sql") == prefix_block_hashes(prompt(1), lora_name="sql")
+    assert prefix_block_hashes(prompt(1), lora_name="sql") != prefix_block_hashes(prompt(1), lora_name="chat")
+    a, b = FakeReplica("a"), FakeReplica("b")
+    router = Router()
+    base = router.choose([a, b], prompt(1))
+    base.outstanding += 1  # busier: an adapter request with the same prompt goes to the other one
+    other = router.choose([a, b], prompt(1), lora_name="sql")
+    assert other is not base
+    other.outstanding += 1
+    assert router.choose([a, b], prompt(1), lora_name="sql") is other  # its own prefix pins it
+    assert router.choose([a, b], prompt(1)) is base

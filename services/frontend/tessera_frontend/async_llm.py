@@ -1,7 +1,8 @@
 """AsyncLLM: the frontend's engine facade (vLLM v1's AsyncLLM): tokenize, submit, stream outputs, abort.
 
 `generate(request_id, prompt, params)` tokenizes the prompt (chat messages through
-the model's chat template), builds the EngineRequest, submits it to a replica and
+the model's chat template), builds the EngineRequest (with the LoRA adapter to run it
+with, `lora_name`, when one is named), submits it to a replica and
 yields a `SampleOutput` per sample per engine step until every sample has
 finished. With a stream interval N > 1 (vLLM's and SGLang's `--stream-interval`) a
 sample's first output goes out at once, then its outputs are held and merged until
@@ -15,7 +16,7 @@ concurrent requests in one step.
 Migration: when a replica's session breaks (the process killed, the node lost, the step
 watchdog, a drain that ran out) or a draining replica hands its requests off, every
 request it held continues on another replica: the same EngineRequest (prompt, sampling
-parameters, seed) with `resumed`, each running sample's tokens so far (every token the
+parameters, seed, LoRA adapter) with `resumed`, each running sample's tokens so far (every token the
 engine sent, delivered or still with the detokenizer), under a new engine request id (the
 replica left behind may still hold the old one: a healed partition). The new replica prefills them and
 continues each sample at the same output position of the same seed, so the text goes on
@@ -146,12 +147,13 @@ class AsyncLLM:
         return info.max_model_len if info and info.max_model_len > 0 else None
 
     async def generate(self, request_id: str, prompt: Prompt, params: common_pb2.SamplingParams,
-                       priority: int = 0, default_max_tokens: int | None = DEFAULT_MAX_TOKENS
-                       ) -> AsyncIterator[SampleOutput]:
+                       priority: int = 0, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                       lora_name: str = "") -> AsyncIterator[SampleOutput]:
         """Yield each sample's new output per engine step until all n samples have finished.
 
         `default_max_tokens` applies when params has no max_tokens; None means "up to the
-        model's length" (OpenAI chat's default).
+        model's length" (OpenAI chat's default). `lora_name`: the LoRA adapter to run it with
+        ("": the base model); one the engine does not serve fails NOT_FOUND.
         """
         arrival = time.time()
         self._preparing += 1
@@ -180,7 +182,8 @@ class AsyncLLM:
             try:
                 request = engine_pb2.EngineRequest(
                     request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
-                    priority=priority, arrival_time=arrival, eos_token_ids=self.tokenizer.model_info.eos_token_ids)
+                    priority=priority, arrival_time=arrival, eos_token_ids=self.tokenizer.model_info.eos_token_ids,
+                    lora_name=lora_name)
                 try:
                     replica = self.engine.submit(request, n, more_coming=self._preparing > 0, exclude=tried)
                 except NoReplicaError as exc:
@@ -190,7 +193,8 @@ class AsyncLLM:
                 log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,
                                                      "engine": replica, "attempt": len(tried),
                                                      "prompt_tokens": len(prompt_ids), "n": n,
-                                                     "max_tokens": params.max_tokens})
+                                                     "max_tokens": params.max_tokens,
+                                                     **({"lora_name": lora_name} if lora_name else {})})
                 while finished < n:
                     out = await state.queue.get()
                     if out.failure is not None:

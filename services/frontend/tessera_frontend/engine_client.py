@@ -27,6 +27,12 @@ are passed on, so a request that moved never gets a late output from where it wa
 `discovery`) at start and every `resolve_interval_s`, adds a replica for each new
 address and retires one whose address went away (no new requests; it is closed
 once its requests are done). `submit` asks the router for a replica.
+
+LoRA adapters: each replica's list (ListLoRAAdapters) is read before its session opens and
+again whenever `refresh_lora` is called (the `lora` module does, after a load or unload and
+when a request names an adapter it has not seen). A request for an adapter goes only to
+replicas whose list has it (a replica restarted since a run-time load lacks it); when none
+has it, to any, whose engine refuses it NOT_FOUND.
 """
 from __future__ import annotations
 
@@ -57,6 +63,8 @@ HandoffHandler = Callable[[list[str], str], bool]  # True: the requests were tak
 HEALTH_POLL_S = 0.5            # while disconnected: how often to ask whether the engine is back
 HEALTH_CHECK_INTERVAL_S = 1.0  # while connected: how often to check the engine's health
 HEALTH_CHECK_TIMEOUT_S = 3.0
+LORA_LIST_TIMEOUT_S = 10.0
+LORA_LOAD_TIMEOUT_S = 120.0    # a load reads and checks the adapter's weights
 DEFAULT_STALL_TIMEOUT_S = 30.0  # --engine-timeout-s
 RECONNECT_DELAY_S = 0.5
 DEFAULT_RESOLVE_INTERVAL_S = 5.0
@@ -96,6 +104,8 @@ class EngineReplica:
         self.retired = False  # its address left the resolved set: no new requests
         self.draining = False  # it said it drains (handoff), until its next session: no new requests
         self.sessions_opened = 0
+        # its LoRA adapters as it last listed them; None until it answered (then it may serve any)
+        self.lora: common_pb2.LoRAAdapters | None = None
         self._in_flight: OpenSamples[str] = OpenSamples()  # by request id
         self._outbox: asyncio.Queue | None = None
 
@@ -116,6 +126,30 @@ class EngineReplica:
     @property
     def outstanding(self) -> int:
         return len(self._in_flight)
+
+    def serves(self, lora_name: str) -> bool:
+        """Whether it may take a request for this adapter ("": the base model, always)."""
+        return not lora_name or self.lora is None or any(a.name == lora_name for a in self.lora.adapters)
+
+    async def refresh_lora(self) -> common_pb2.LoRAAdapters:
+        """Read its adapter list again (an engine without the RPC serves none)."""
+        try:
+            self.lora = await self.stub.ListLoRAAdapters(common_pb2.ListLoRAAdaptersRequest(),
+                                                         timeout=LORA_LIST_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self.lora = common_pb2.LoRAAdapters()
+        return self.lora
+
+    async def load_lora(self, name: str, path: str) -> common_pb2.LoRAAdapter:
+        """LoadLoRAAdapter on this engine (its errors raised as they come: AioRpcError)."""
+        return await self.stub.LoadLoRAAdapter(common_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path),
+                                               timeout=LORA_LOAD_TIMEOUT_S)
+
+    async def unload_lora(self, name: str) -> common_pb2.LoRAAdapter:
+        return await self.stub.UnloadLoRAAdapter(common_pb2.UnloadLoRAAdapterRequest(lora_name=name),
+                                                 timeout=LORA_LIST_TIMEOUT_S)
 
     def submit(self, request: engine_pb2.EngineRequest, num_samples: int, more_coming: bool = False) -> None:
         if self._outbox is None:
@@ -164,6 +198,7 @@ class EngineReplica:
                 await asyncio.sleep(HEALTH_POLL_S)
             try:
                 self.info = await self.stub.GetInfo(engine_pb2.EngineInfoRequest(), timeout=10)
+                await self.refresh_lora()  # before the session opens: requests for its adapters find it
                 reason = await self._serve_session(on_step, on_done, on_session_open, on_handoff)
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
@@ -295,9 +330,11 @@ class EngineCoreClient:
         `more_coming`: more requests are on their way (SessionInput.more_coming).
         `exclude`: addresses not to use (a retry's replicas that already failed it)."""
         ready = [r for r in self._replicas.values() if r.ready and r.addr not in exclude]
+        if request.lora_name:  # none serving it: any, whose engine refuses it NOT_FOUND naming it
+            ready = [r for r in ready if r.serves(request.lora_name)] or ready
         # Unhealthy replicas are skipped; only when no replica is healthy is one of them tried.
         candidates = [r for r in ready if r.healthy] or ready
-        replica = self.router.choose(candidates, request.prompt_token_ids)
+        replica = self.router.choose(candidates, request.prompt_token_ids, request.lora_name)
         if replica is None:
             raise NoReplicaError("no engine replica is connected")
         replica.submit(request, num_samples, more_coming)

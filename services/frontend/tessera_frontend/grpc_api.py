@@ -1,7 +1,10 @@
-"""The public gRPC API: FrontendService (Generate streams, Complete returns whole).
+"""The public gRPC API: FrontendService (Generate streams, Complete returns whole; the LoRA
+adapters: ListLoRAAdapters, and LoadLoRAAdapter / UnloadLoRAAdapter on every engine replica
+when --allow-runtime-lora-updating, else FAILED_PRECONDITION; `lora`).
 
 Every request is validated first (`validation.validate_request`): a bad field is
-answered INVALID_ARGUMENT with a message that starts with the field's name. Then
+answered INVALID_ARGUMENT with a message that starts with the field's name. A
+`lora_name` the engines' lists do not have is NOT_FOUND naming it. Then
 it is admitted (`admission`): past the in-flight cap it is answered
 RESOURCE_EXHAUSTED at once. The request id is the client's (field, else
 `x-request-id` metadata) or a fresh uuid, and is echoed on every message.
@@ -19,9 +22,10 @@ import uuid
 import grpc
 
 from tessera.common.grpc_service import request_id_from
-from tessera.v1 import frontend_pb2, frontend_pb2_grpc
+from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
 from tessera_frontend.async_llm import AsyncLLM, GenerateError, Prompt
+from tessera_frontend.lora import LoRAError, LoRARegistry
 from tessera_frontend.metrics import RequestTracker, grpc_tracker, record_rejected
 from tessera_frontend.output_processor import SampleOutput
 from tessera_frontend.validation import Limits, ValidationError, validate_request, validate_request_id
@@ -39,10 +43,12 @@ def _prompt_of(request: frontend_pb2.GenerateRequest) -> Prompt:
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
-    def __init__(self, llm: AsyncLLM, limits: Limits, admission: AdmissionController) -> None:
+    def __init__(self, llm: AsyncLLM, limits: Limits, admission: AdmissionController,
+                 lora: LoRARegistry | None = None) -> None:
         self._llm = llm
         self._limits = limits
         self._admission = admission
+        self._lora = lora or LoRARegistry(llm.engine)
 
     async def Generate(self, request: frontend_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
@@ -95,6 +101,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             validate_request(request, self._limits)
             if not request.request_id:
                 validate_request_id_metadata(request_id)
+            await self._check_lora(request.lora_name, request_id, context)
             ticket = self._admission.admit()
         except ValidationError as exc:
             log.info("request rejected", extra={"request_id": request_id[:64], "error": str(exc)})
@@ -106,13 +113,41 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return request_id, ticket
 
+    async def _check_lora(self, lora_name: str, request_id: str, context: grpc.aio.ServicerContext) -> None:
+        """NOT_FOUND for an adapter the engines' lists do not have (no list yet: the engine decides)."""
+        if not lora_name or not self._lora.known or await self._lora.find(lora_name) is not None:
+            return
+        served = [a.name for a in self._lora.served().adapters]
+        message = (f"lora_name: the LoRA adapter {lora_name!r} is not served ("
+                   + (f"served: {', '.join(served)})" if served else "no adapter is served)"))
+        log.info("request rejected", extra={"request_id": request_id[:64], "error": message})
+        await context.abort(grpc.StatusCode.NOT_FOUND, message)
+
+    async def ListLoRAAdapters(self, request: common_pb2.ListLoRAAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> common_pb2.LoRAAdapters:
+        return await self._lora.list()
+
+    async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoRAAdapter:
+        try:
+            return await self._lora.load(request.lora_name, request.lora_path)
+        except LoRAError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.LoRAAdapter:
+        try:
+            return await self._lora.unload(request.lora_name)
+        except LoRAError as exc:
+            await context.abort(exc.code, exc.message)
+
     @contextlib.asynccontextmanager
     async def _outputs(self, request: frontend_pb2.GenerateRequest, request_id: str,
                        context: grpc.aio.ServicerContext):
         """generate()'s iterator, closed on exit (which aborts an unfinished request);
         a GenerateError becomes the call's status."""
         outputs = self._llm.generate(request_id, _prompt_of(request), request.sampling_params,
-                                     request.priority)
+                                     request.priority, lora_name=request.lora_name)
         try:
             async with contextlib.aclosing(outputs):
                 yield outputs

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health
+(and, with --allow-runtime-lora-updating, vLLM's LoRA load / unload routes: `lora_api`).
 
 This module is the HTTP side: routes, admission, generation plumbing, server-sent
 events, disconnects and error statuses. The response bodies and stream chunks are
@@ -6,8 +7,9 @@ built by `openai_formatters`.
 
 A request goes: body parsed (pydantic; a bad body is 400 naming the field) ->
 messages / prompts and sampling parameters translated and range-checked (400) ->
-frontend ready (else 503 after AsyncLLM's short wait) and model known (else 404)
--> admitted (429 past --max-inflight-requests) -> AsyncLLM.generate, once per
+frontend ready (else 503 after AsyncLLM's short wait) and model known (else 404:
+the base model's name, or a LoRA adapter the engines serve, which the request then runs
+with, as vLLM) -> admitted (429 past --max-inflight-requests) -> AsyncLLM.generate, once per
 prompt (a completions batch runs its prompts concurrently; choice index =
 prompt * n + sample).
 
@@ -47,6 +49,8 @@ from tessera.v1 import common_pb2
 from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
 from tessera_frontend.async_llm import AsyncLLM, GenerateError, Prompt
 from tessera_frontend.http_limits import BodyLimit, check_unicode
+from tessera_frontend.lora import LoRARegistry
+from tessera_frontend.lora_api import add_lora_routes
 from tessera_frontend.metrics import REQUESTS, RequestTracker, record_rejected
 from tessera_frontend.openai_formatters import (ChatFormatter, CompletionFormatter, Formatter, IndexedOutput,
                                                 Usage)
@@ -71,9 +75,10 @@ class ClientGone(Exception):
 
 
 def create_app(llm: AsyncLLM, limits: Limits, admission: AdmissionController,
-               served_model_name: str | None = None) -> FastAPI:
-    """The FastAPI application serving the OpenAI-compatible API over `llm`."""
-    api = OpenAIApi(llm, limits, admission, served_model_name)
+               served_model_name: str | None = None, lora: LoRARegistry | None = None) -> FastAPI:
+    """The FastAPI application serving the OpenAI-compatible API over `llm`; with `lora`, its
+    adapters are models too, and its load / unload routes exist when it allows updates."""
+    api = OpenAIApi(llm, limits, admission, served_model_name, lora)
     app = FastAPI(title="tessera", description="OpenAI-compatible API of the tessera frontend",
                   docs_url=None, redoc_url=None)
     app.state.api = api
@@ -116,12 +121,12 @@ def create_app(llm: AsyncLLM, limits: Limits, admission: AdmissionController,
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [api.model_card(await api.model_name())]})
+        return JSONResponse({"object": "list", "data": await api.model_cards()})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> JSONResponse:
-        await api.check_model(model)
-        return JSONResponse(api.model_card(model))
+        name, adapter = await api.served_model(model)
+        return JSONResponse(api.model_card(name) if adapter is None else api.adapter_card(adapter, name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -132,6 +137,8 @@ def create_app(llm: AsyncLLM, limits: Limits, admission: AdmissionController,
         return await api.completions(body, request)
 
     add_tokenize_routes(app, api)
+    if lora is not None and lora.allow_updates:
+        add_lora_routes(app, lora)
     return app
 
 
@@ -139,11 +146,12 @@ class OpenAIApi:
     """The endpoints' logic, apart from FastAPI's routing."""
 
     def __init__(self, llm: AsyncLLM, limits: Limits, admission: AdmissionController,
-                 served_model_name: str | None) -> None:
+                 served_model_name: str | None, lora: LoRARegistry | None = None) -> None:
         self.llm = llm
         self.limits = limits
         self.admission = admission
         self.served_model_name = served_model_name
+        self.lora = lora
         self.created = int(time.time())
 
     # -- models ---------------------------------------------------------------------------
@@ -154,18 +162,48 @@ class OpenAIApi:
         return self.llm.model_name
 
     async def check_model(self, model: str | None) -> str:
-        """The served model's name; 404 when the request names another."""
+        """The name a request's answer carries (the base model's, or the adapter's); 404 when
+        it names neither the base model nor a served LoRA adapter."""
+        return (await self.resolve_model(model))[0]
+
+    async def resolve_model(self, model: str | None) -> tuple[str, str]:
+        """(the name the answer carries, the LoRA adapter to run with: "" for the base model) of a
+        request's `model`; 404 naming it when it is neither the base model nor a served adapter."""
+        name, adapter = await self.served_model(model)
+        return (name, "") if adapter is None else (adapter.name, adapter.name)
+
+    async def served_model(self, model: str | None) -> tuple[str, common_pb2.LoRAAdapter | None]:
+        """(the base model's name, the served LoRA adapter `model` names, or None: omitted or the
+        base model's name is the base model); 404 naming `model` when it is neither."""
         name = await self.model_name()
-        if model and model != name:
-            raise ApiError(404, f"The model `{model}` does not exist (this server serves `{name}`).",
-                           param="model", code="model_not_found")
-        return name
+        if not model or model == name:
+            return name, None
+        if self.lora is not None:
+            if not self.lora.known:  # the engines' lists come in with readiness
+                await _api_call(self.llm.wait_ready())
+            adapter = await self.lora.find(model)
+            if adapter is not None:
+                return name, adapter
+        adapters = [a.name for a in self.lora.served().adapters] if self.lora is not None else []
+        served = f"`{name}`" + (f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else "")
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves {served}).",
+                       param="model", code="model_not_found")
+
+    async def model_cards(self) -> list[dict]:
+        """/v1/models: the base model's card, then one per served LoRA adapter (vLLM's fields)."""
+        name = await self.model_name()
+        adapters = (await self.lora.list()).adapters if self.lora is not None else []
+        return [self.model_card(name), *(self.adapter_card(a, name) for a in adapters)]
 
     def model_card(self, name: str) -> dict:
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "tessera"}
         if self.llm.max_model_len:
             card["max_model_len"] = self.llm.max_model_len
         return card
+
+    def adapter_card(self, adapter: common_pb2.LoRAAdapter, base: str) -> dict:
+        """A LoRA adapter's card: vLLM's, `root` its directory and `parent` the base model."""
+        return {**self.model_card(adapter.name), "root": adapter.path, "parent": base}
 
     # -- endpoints -----------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -176,9 +214,10 @@ class OpenAIApi:
             tools = chat_tools(body)
             messages = chat_messages(body)
             params = sampling_params(body, self.limits, tools)
-            model = await self.check_model(body.model)
+            model, lora_name = await self.resolve_model(body.model)
             return await self._serve(request, body, request_id, model, [messages], params, default_max_tokens=None,
-                                     formatter=ChatFormatter(body, request_id, model, tools), tracker=tracker)
+                                     formatter=ChatFormatter(body, request_id, model, tools), tracker=tracker,
+                                     lora_name=lora_name)
 
     async def completions(self, body: CompletionRequest, request: Request):
         async with _tracked(RequestTracker("http")) as tracker:
@@ -187,16 +226,17 @@ class OpenAIApi:
             tracker.set_request_id(request_id)
             prompts = completion_prompts(body, self.limits)
             params = sampling_params(body, self.limits)
-            model = await self.check_model(body.model)
+            model, lora_name = await self.resolve_model(body.model)
             return await self._serve(request, body, request_id, model, prompts, params, default_max_tokens=16,
                                      formatter=CompletionFormatter(body, request_id, model), tracker=tracker,
-                                     keep=(body.n or 1) if best_of_extra(body) else None)
+                                     keep=(body.n or 1) if best_of_extra(body) else None, lora_name=lora_name)
 
     async def _serve(self, request: Request, body, request_id: str, model: str, prompts: Sequence[Prompt],
                      params: common_pb2.SamplingParams, default_max_tokens: int | None, formatter: Formatter,
-                     tracker: RequestTracker, keep: int | None = None):
+                     tracker: RequestTracker, keep: int | None = None, lora_name: str = ""):
         """Answer the request; `tracker` is finished here for a whole response, by the stream's close for a stream.
-        keep: answer only this many of each prompt's samples, the best (best_of; not streamed)."""
+        keep: answer only this many of each prompt's samples, the best (best_of; not streamed).
+        lora_name: the LoRA adapter to run with ("": the base model)."""
         try:
             ticket = self.admission.admit(len(prompts))
         except Overloaded as exc:
@@ -205,7 +245,8 @@ class OpenAIApi:
                                                               "in_flight": self.admission.in_flight})
             raise ApiError(429, str(exc), code="rate_limit_exceeded") from None
         n = params.n if params.HasField("n") else 1
-        outputs = _generate_all(self.llm, request_id, prompts, params, body.priority, default_max_tokens, n, tracker)
+        outputs = _generate_all(self.llm, request_id, prompts, params, body.priority, default_max_tokens, n, tracker,
+                                lora_name)
         headers = {REQUEST_ID_HEADER: request_id}
         if body.stream:
             try:
@@ -253,11 +294,11 @@ async def _tracked(tracker: RequestTracker):
 # -- generation plumbing ------------------------------------------------------------------------
 async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt],
                         params: common_pb2.SamplingParams, priority: int, default_max_tokens: int | None,
-                        n: int, tracker: RequestTracker) -> AsyncIterator[IndexedOutput]:
+                        n: int, tracker: RequestTracker, lora_name: str = "") -> AsyncIterator[IndexedOutput]:
     """Every prompt's outputs, interleaved as they come, each with its choice index (and told to `tracker`)."""
     if len(prompts) == 1:
         async with contextlib.aclosing(llm.generate(request_id, prompts[0], params, priority,
-                                                    default_max_tokens)) as outputs:
+                                                    default_max_tokens, lora_name)) as outputs:
             async for out in outputs:
                 tracker.on_output(out.index, len(out.token_ids), out.usage)
                 yield IndexedOutput(out.index, out)
@@ -270,7 +311,7 @@ async def _generate_all(llm: AsyncLLM, request_id: str, prompts: Sequence[Prompt
     async def pump(i: int, prompt: Prompt) -> None:
         try:
             async with contextlib.aclosing(llm.generate(f"{request_id}-{i}", prompt, params, priority,
-                                                        default_max_tokens)) as outputs:
+                                                        default_max_tokens, lora_name)) as outputs:
                 async for out in outputs:
                     await queue.put(IndexedOutput(i * n + out.index, out))
             await queue.put(done)

@@ -16,7 +16,9 @@ blocks when all of these hold:
   * that replica has at most `max_imbalance` more outstanding requests than the
     least loaded (affinity yields when it is much busier).
 
-Otherwise the least-loaded replica gets it; ties go round-robin. The router
+Otherwise the least-loaded replica gets it; ties go round-robin. A request for a LoRA
+adapter keys its blocks by the adapter too (its KV differs from the base model's for the
+same tokens), so the same prompt under two adapters shares no affinity. The router
 only sees replicas the caller offers (connected and healthy ones); `forget`
 drops what it knew of a replica whose cache was lost (it restarted).
 """
@@ -45,10 +47,11 @@ R = TypeVar("R", bound=Replica)
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                        max_blocks: int = MAX_HASHED_BLOCKS) -> list[int]:
-    """One hash per full leading block, each chained to the one before (a prefix's identity)."""
+                        max_blocks: int = MAX_HASHED_BLOCKS, lora_name: str = "") -> list[int]:
+    """One hash per full leading block, each chained to the one before (a prefix's identity);
+    the chain starts from the LoRA adapter's name when there is one."""
     hashes: list[int] = []
-    parent = 0
+    parent = hash(("lora", lora_name)) if lora_name else 0
     full = min(len(token_ids) // block_tokens, max_blocks)
     for i in range(full):
         parent = hash((parent, tuple(token_ids[i * block_tokens:(i + 1) * block_tokens])))
@@ -114,8 +117,9 @@ class Router:
         self.index = PrefixIndex(capacity_blocks)
         self._turn = 0
 
-    def choose(self, candidates: Sequence[R], prompt_token_ids: Sequence[int] = ()) -> R | None:
-        """The replica for a request with this prompt, or None when there is no candidate."""
+    def choose(self, candidates: Sequence[R], prompt_token_ids: Sequence[int] = (), lora_name: str = "") -> R | None:
+        """The replica for a request with this prompt (under this LoRA adapter; "": the base model),
+        or None when there is no candidate."""
         if not candidates:
             return None
         self._turn += 1
@@ -123,7 +127,7 @@ class Router:
         # Rotating the start makes min()/max() break ties round-robin (they keep the first extreme).
         rotated = [candidates[(self._turn + i) % count] for i in range(count)]
         least = min(rotated, key=lambda r: r.outstanding)
-        hashes = prefix_block_hashes(prompt_token_ids, self.block_tokens)
+        hashes = prefix_block_hashes(prompt_token_ids, self.block_tokens, lora_name=lora_name)
         if not hashes:
             return least
         chosen = least

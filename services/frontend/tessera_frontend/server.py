@@ -3,7 +3,8 @@
 One asyncio loop serves both public APIs over one AsyncLLM: the gRPC
 FrontendService (grpc.aio, --port) and the OpenAI-compatible HTTP API (FastAPI on
 uvicorn, --http-port; 0 turns it off). Both share one AdmissionController
-(--max-inflight-requests) and one set of Limits.
+(--max-inflight-requests), one set of Limits and one LoRARegistry (the adapters the
+engines serve; loading and unloading them when --allow-runtime-lora-updating).
 
 Health (grpc.health.v1 and HTTP /health) stays NOT_SERVING until the tokenizer
 answers SERVING (and its ModelInfo is read), the detokenize stream is open and at
@@ -36,6 +37,7 @@ from tessera_frontend.discovery import parse_engine_addrs
 from tessera_frontend.engine_client import DEFAULT_RESOLVE_INTERVAL_S, DEFAULT_STALL_TIMEOUT_S, EngineCoreClient
 from tessera_frontend.grpc_api import FrontendServicer
 from tessera_frontend.http_server import HttpServer
+from tessera_frontend.lora import LoRARegistry
 from tessera_frontend.openai_api import create_app
 from tessera_frontend.router import DEFAULT_MAX_IMBALANCE, Router
 from tessera_frontend.tokenizer_client import DEFAULT_TIMEOUT_S as DEFAULT_TOKENIZER_TIMEOUT_S
@@ -104,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
              help="most stop strings a request may give")
     add_flag(parser, "--max-body-bytes", "TESSERA_MAX_BODY_BYTES", 8 << 20, type=int,
              help="largest HTTP request body, answered 413 before it is read past the cap (0: no cap)")
+    add_flag(parser, "--allow-runtime-lora-updating", "TESSERA_ALLOW_RUNTIME_LORA_UPDATING", False, type=bool,
+             help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and the gRPC "
+                  "LoadLoRAAdapter / UnloadLoRAAdapter), which load or unload a LoRA adapter on every engine "
+                  "replica (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); off: those routes are 404 and the "
+                  "calls FAILED_PRECONDITION")
     return parser
 
 
@@ -140,6 +147,7 @@ async def serve(args: argparse.Namespace) -> int:
                               resolve_interval_s=args.engine_resolve_interval,
                               stall_timeout_s=args.engine_timeout_s, tls=backend_tls)
     llm = AsyncLLM(tokenizer, engine, stream_interval=args.stream_interval)
+    lora = LoRARegistry(engine, allow_updates=args.allow_runtime_lora_updating)
     limits = Limits(max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop,
                     max_body_bytes=args.max_body_bytes)
     admission = AdmissionController(args.max_inflight_requests)
@@ -147,17 +155,18 @@ async def serve(args: argparse.Namespace) -> int:
     keys = ApiKeys(parse_api_keys(args.api_key))
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s,
                              interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else None)
-    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission),
+    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission, lora),
                                                             grpc_server.server)
     if await grpc_server.try_start(
             args.host, args.port, args.metrics_port, tls=server_tls, http_port=args.http_port or None,
             tokenizer=args.tokenizer_addr, engines=[str(e) for e in engine.entries],
-            max_inflight_requests=args.max_inflight_requests, api_keys=len(parse_api_keys(args.api_key))) is None:
+            max_inflight_requests=args.max_inflight_requests, api_keys=len(parse_api_keys(args.api_key)),
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating) is None:
         await llm.close()
         return 1
     http = None
     if args.http_port:
-        app = create_app(llm, limits, admission, args.served_model_name)
+        app = create_app(llm, limits, admission, args.served_model_name, lora)
         if keys.enabled:
             app.add_middleware(ApiKeyMiddleware, keys=keys)  # outermost: before the body is read
         http = HttpServer(app, args.host, args.http_port, grace_s=grpc_server.grace_s,

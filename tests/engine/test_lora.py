@@ -69,6 +69,12 @@ def test_bad_adapters_are_refused_naming_what_is_wrong(tiny_llama, tmp_path):
 
     assert "not a directory" in refused(tmp_path / "nowhere")
     assert "rank 8, over --max-lora-rank 4" in refused(good, max_rank=4)
+    lying = tmp_path / "lying"
+    lying.mkdir()
+    (lying / "adapter_config.json").write_text(json.dumps({**json.loads((good / "adapter_config.json").read_text()),
+                                                           "r": 999}))
+    (lying / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+    assert "has rank 8, its config says 999" in refused(lying, max_rank=1000)
     other = LayerShapes(num_layers=2, hidden=32, q_size=32, kv_size=16, intermediate=96)
     assert "this model needs A [r, 96] and B [32, r]" in refused(good, shapes=other)
     assert "the model has 1" in refused(good, shapes=other._replace(num_layers=1, hidden=64, q_size=64, kv_size=32))

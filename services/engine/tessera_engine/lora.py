@@ -150,7 +150,7 @@ def read_adapter(name: str, path: str, layer_shapes: "LayerShapes", max_rank: in
         if r > max_rank:
             raise LoRAError(f"LoRA adapter {name!r}: {where} has rank {r}, over --max-lora-rank {max_rank}")
         full = f"base_model.model.model.layers.{layer}.{'self_attn' if module in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{module}"
-        r_cfg = _pattern_value(cfg.get("rank_pattern"), full, r)
+        r_cfg = _pattern_value(cfg.get("rank_pattern"), full, cfg.get("r", r))
         a_mod = _pattern_value(cfg.get("alpha_pattern"), full, alpha)
         if r_cfg != r:
             raise LoRAError(f"LoRA adapter {name!r}: {where} has rank {r}, its config says {r_cfg}")

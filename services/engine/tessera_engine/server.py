@@ -477,7 +477,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    default=os.environ.get("TESSERA_LORA_MODULES", "").split(),
                    help="LoRA adapters loaded at start, each name=path (or vLLM's JSON {\"name\": ..., "
-                        "\"path\": ...}); implies --enable-lora [env TESSERA_LORA_MODULES, space-separated; "
+                        "\"path\": ...}), implies --enable-lora [env TESSERA_LORA_MODULES; space-separated, "
                         "default none]")
     add_flag(p, "--max-loras", "TESSERA_MAX_LORAS", 1, type=int,
              help="LoRA adapters in one step at most (their weights resident; the least recently used is "

@@ -3,7 +3,7 @@
 
 A benchmark, not a test. The default model at the engine's defaults (bfloat16 where the CPU has
 it, the CPU kernels, batch-invariant); --adapters PEFT adapters of rank --rank on every target
-(q/k/v/o/gate/up/down), made once with peft into the cache directory (random weights: speed does
+(q/k/v/o/gate/up/down; --targets qv: q and v only, PEFT's default for Llama), made once with peft into the cache directory (random weights: speed does
 not depend on them). Sides:
   base       an engine without LoRA, requests for the base model
   lora       an engine with the adapters (--max-loras = --adapters), request i with adapter i mod N
@@ -32,12 +32,13 @@ from common import chat_prompts, environment, format_table, log, wait_for_quiet 
 
 from tessera.bench.metrics import median  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+           "qv": ["q_proj", "v_proj"]}  # qv: PEFT's default target_modules for Llama
 
 
-def make_adapters(src, root: pathlib.Path, n: int, rank: int) -> list[pathlib.Path]:
+def make_adapters(src, root: pathlib.Path, n: int, rank: int, targets: str) -> list[pathlib.Path]:
     """n PEFT LoRA adapters for the model, written once (reused when present)."""
-    paths = [root / f"rank{rank}-{i}" for i in range(n)]
+    paths = [root / f"rank{rank}-{targets}-{i}" for i in range(n)]
     if all((p / "adapter_model.safetensors").is_file() for p in paths):
         return paths
     import torch
@@ -48,7 +49,7 @@ def make_adapters(src, root: pathlib.Path, n: int, rank: int) -> list[pathlib.Pa
     for i, path in enumerate(paths):
         torch.manual_seed(i)
         model = get_peft_model(AutoModelForCausalLM.from_config(base_cfg),
-                               LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
+                               LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS[targets],
                                           init_lora_weights=False, task_type="CAUSAL_LM"))
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -83,6 +84,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--targets", choices=list(TARGETS), default="all",
+                    help="the adapters' target modules: all seven, or q and v (PEFT's default for Llama)")
     ap.add_argument("--burst", type=int, default=64, help="requests in the burst")
     ap.add_argument("--burst-tokens", type=int, default=128)
     ap.add_argument("--single-tokens", type=int, default=256)
@@ -100,7 +103,7 @@ def main() -> int:
     from tessera_engine.sampling_params import SamplingParams
 
     src = resolve_model(None)
-    paths = make_adapters(src, pathlib.Path(args.cache_dir), args.adapters, args.rank)
+    paths = make_adapters(src, pathlib.Path(args.cache_dir), args.adapters, args.rank, args.targets)
     names = [f"adapter{i}" for i in range(args.adapters)]
     tok = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
     prompts = chat_prompts(tok, args.burst)

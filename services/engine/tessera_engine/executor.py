@@ -49,7 +49,8 @@ class UniProcExecutor:
         if config.lora_enabled:
             from tessera_engine.lora import LoRAManager
 
-            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.plan.ops, self.device)
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.plan.ops, self.device,
+                                    self.dtype)
         self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size, self.plan,
                                   self.lora)
         self.runner.sampler.seed(config.seed)

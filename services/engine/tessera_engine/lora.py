@@ -176,31 +176,35 @@ class LayerShapes(NamedTuple):
 
 
 class LoRABatch:
-    """This step's rows' adapter slots ([T] int32, -1 for none), or None when no row has one:
-    what every LoRALayer of the model reads (set by LoRAManager.prepare)."""
+    """This step's rows' adapter slots ([T] int32, -1 for none), or None when no row has one,
+    and the slots used: what every LoRALayer of the model reads (set by LoRAManager.prepare)."""
     slots: torch.Tensor | None = None
+    used: tuple[int, ...] = ()
 
 
 class LoRALayer:
-    """One fused linear layer's adapter slots: a [S, in, subs * rank] (A transposed, each
+    """One fused linear layer's adapter slots (float32, or bfloat16 in a bfloat16 engine): a [S, in, subs * rank] (A transposed, each
     sub-module's rank columns side by side) and b [S, rank, out] (B transposed, each output
     column reading its own sub-module's rank), zero where a slot's adapter has no weight."""
 
     def __init__(self, layer: int, kind: str, subs: list[str], bounds: list[int], in_features: int,
-                 num_slots: int, rank: int, batch: LoRABatch, ops, device) -> None:
+                 num_slots: int, rank: int, batch: LoRABatch, ops, device, dtype: torch.dtype) -> None:
         self.layer, self.kind, self.subs = layer, kind, subs
         self.rank = rank
-        self.a = torch.zeros(num_slots, in_features, len(subs) * rank, device=device)
-        self.b = torch.zeros(num_slots, rank, bounds[-1], device=device)
+        self.a = torch.zeros(num_slots, in_features, len(subs) * rank, device=device, dtype=dtype)
+        self.b = torch.zeros(num_slots, rank, bounds[-1], device=device, dtype=dtype)
         self.scales = torch.zeros(num_slots, len(subs), device=device)
         self.bounds = torch.tensor(bounds, dtype=torch.long)
+        self.has = [False] * num_slots  # the slot's adapter has weights in this layer
         self.batch = batch
         self.lora_add = ops.lora_add
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y (the base layer's output for x) += each row's adapter delta, in place."""
+        """y (the base layer's output for x) += each row's adapter delta, in place. Skipped where
+        no adapter of the step targets this layer (PEFT's default for Llama is q and v only): a
+        decode reads the weights it uses, not a slot's zeros."""
         slots = self.batch.slots
-        if slots is not None:
+        if slots is not None and any(self.has[s] for s in self.batch.used):
             self.lora_add(y, x if x.is_contiguous() else x.contiguous(), self.a, self.b, slots, self.scales,
                           self.bounds)
 
@@ -208,6 +212,7 @@ class LoRALayer:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.scales[slot].zero_()
+        self.has[slot] = adapter is not None and any((self.layer, sub) in adapter.modules for sub in self.subs)
         if adapter is None:
             return
         cuts = self.bounds.tolist()
@@ -223,13 +228,18 @@ class LoRALayer:
 class LoRAManager:
     """The adapters this engine serves (by name) and the slots their weights run from."""
 
-    def __init__(self, model, max_loras: int, max_lora_rank: int, ops, device) -> None:
+    def __init__(self, model, max_loras: int, max_lora_rank: int, ops, device, dtype: torch.dtype) -> None:
+        """dtype: the engine's. The adapters' weights are kept in bfloat16 when it computes in
+        bfloat16 (as the base weights are; half the bytes a step reads), else in float32; the
+        delta is computed in float32 either way."""
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         rank = -(-max_lora_rank // RANK_STEP) * RANK_STEP
         self.batch = LoRABatch()
         self.shapes: LayerShapes = model.lora_shapes()
-        self.layers = [LoRALayer(i, kind, subs, bounds, linear.in_features, max_loras, rank, self.batch, ops, device)
+        wdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        self.layers = [LoRALayer(i, kind, subs, bounds, linear.in_features, max_loras, rank, self.batch, ops, device,
+                                 wdtype)
                        for i, kind, subs, bounds, linear in model.lora_targets()]
         model.attach_lora(self.layers)
         self.device = device
@@ -278,16 +288,17 @@ class LoRAManager:
         made resident (the scheduler keeps at most max_loras in a step) and each row's slot."""
         wanted = {a for a, _ in rows if a is not None}
         if not wanted:
-            self.batch.slots = None
+            self.batch.slots, self.batch.used = None, ()
             return
         slot_of = {}
         for adapter in wanted:
             slot_of[adapter] = self._slot(adapter, wanted)
         slots = [slot_of[a] if a is not None else -1 for a, n in rows for _ in range(n)]
         self.batch.slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        self.batch.used = tuple(slot_of.values())
 
     def clear(self) -> None:
-        self.batch.slots = None
+        self.batch.slots, self.batch.used = None, ()
 
     def _slot(self, adapter: Adapter, wanted: set[Adapter]) -> int:
         use = next(self._uses)

@@ -65,16 +65,18 @@ class TorchOps:
     @staticmethod
     def lora_add(y, x, a, b, slots, scales, bounds) -> None:
         """y += each row's LoRA delta, in place (lora.LoRALayer: a [S, in, subs * rank] and
-        b [S, rank, out] float32, slots [T] int32 with -1 for none, scales [S, subs], bounds the
-        sub-modules' output columns). Per adapter: shrink its rows, then expand per sub-module."""
+        b [S, rank, out], slots [T] int32 with -1 for none, scales [S, subs], bounds the
+        sub-modules' output columns; a and b may be bfloat16). Per adapter: shrink its rows, then
+        expand per sub-module."""
         rank = b.shape[1]
         cuts = bounds.tolist()
         for s in torch.unique(slots).tolist():
             if s < 0:
                 continue
             rows = (slots == s).nonzero().flatten()
-            h = x.index_select(0, rows).float() @ a[s]
-            delta = torch.cat([(h[:, i * rank:(i + 1) * rank] @ b[s, :, cuts[i]:cuts[i + 1]]) * scales[s, i]
+            h = x.index_select(0, rows).float() @ a[s].float()
+            bs = b[s].float()
+            delta = torch.cat([(h[:, i * rank:(i + 1) * rank] @ bs[:, cuts[i]:cuts[i + 1]]) * scales[s, i]
                                for i in range(len(cuts) - 1)], dim=1)
             y.index_copy_(0, rows, (y.index_select(0, rows).float() + delta).to(y.dtype))
 

@@ -31,5 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight, "a bfloat16 [N, K] weight in linear_bf16's layout", nogil);
   m.def("linear_bf16", &linear_bf16, "x W^T (+ bias) in bfloat16 on oneDNN's brgemm micro-kernel",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), nogil);
+  m.def("lora_add", &lora_add, "y += scale * (x A^T) B^T per row's adapter slot, in place (batched LoRA)",
+        pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("slots"),
+        pybind11::arg("scales"), pybind11::arg("bounds"), nogil);
   m.def("bind_threads", &bind_threads, "each thread of the calling thread's team bound to one CPU", nogil);
 }

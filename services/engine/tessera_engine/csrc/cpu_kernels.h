@@ -24,6 +24,7 @@
 //                         activations quantized per block, Q4_0 / Q4_1 / Q8_0 weights repacked
 //   gguf_blocks.h         the GGUF block types, sizes and exact dequantization both read
 //   dense_matmul.cpp      bfloat16 matmul on oneDNN's brgemm micro-kernel
+//   lora.cpp              batched LoRA (shrink then expand per adapter slot), batch-invariant
 //   threads.cpp           binding the OpenMP team's threads to CPUs
 //   bindings.cpp          the Python module (pybind11)
 // This header declares the entry points bindings.cpp exposes; each family keeps its own
@@ -67,6 +68,10 @@ at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt
 at::Tensor pack_bf16_weight(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const c10::optional<at::Tensor>& bias);
+
+// lora.cpp
+void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor& slots, const at::Tensor& scales, const at::Tensor& bounds);
 
 // threads.cpp
 std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);

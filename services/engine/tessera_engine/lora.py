@@ -187,9 +187,9 @@ class LoRALayer:
     sub-module's rank columns side by side) and b [S, rank, out] (B transposed, each output
     column reading its own sub-module's rank), zero where a slot's adapter has no weight."""
 
-    def __init__(self, layer: int, kind: str, subs: list[str], bounds: list[int], in_features: int,
+    def __init__(self, layer: int, subs: list[str], bounds: list[int], in_features: int,
                  num_slots: int, rank: int, batch: LoRABatch, ops, device, dtype: torch.dtype) -> None:
-        self.layer, self.kind, self.subs = layer, kind, subs
+        self.layer, self.subs = layer, subs
         self.rank = rank
         self.a = torch.zeros(num_slots, in_features, len(subs) * rank, device=device, dtype=dtype)
         self.b = torch.zeros(num_slots, rank, bounds[-1], device=device, dtype=dtype)
@@ -208,13 +208,12 @@ class LoRALayer:
             self.lora_add(y, x if x.is_contiguous() else x.contiguous(), self.a, self.b, slots, self.scales,
                           self.bounds)
 
-    def load(self, slot: int, adapter: Adapter | None) -> None:
+    def load(self, slot: int, adapter: Adapter) -> None:
+        """The slot's weights: the adapter's for this layer's sub-modules, zeros elsewhere."""
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.scales[slot].zero_()
-        self.has[slot] = adapter is not None and any((self.layer, sub) in adapter.modules for sub in self.subs)
-        if adapter is None:
-            return
+        self.has[slot] = any((self.layer, sub) in adapter.modules for sub in self.subs)
         cuts = self.bounds.tolist()
         for i, sub in enumerate(self.subs):
             w = adapter.modules.get((self.layer, sub))
@@ -238,9 +237,8 @@ class LoRAManager:
         self.batch = LoRABatch()
         self.shapes: LayerShapes = model.lora_shapes()
         wdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        self.layers = [LoRALayer(i, kind, subs, bounds, linear.in_features, max_loras, rank, self.batch, ops, device,
-                                 wdtype)
-                       for i, kind, subs, bounds, linear in model.lora_targets()]
+        self.layers = [LoRALayer(i, subs, bounds, linear.in_features, max_loras, rank, self.batch, ops, device, wdtype)
+                       for i, _, subs, bounds, linear in model.lora_targets()]
         model.attach_lora(self.layers)
         self.device = device
         self.adapters: dict[str, Adapter] = {}  # served, by name, in load order

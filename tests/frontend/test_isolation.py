@@ -1,6 +1,6 @@
 """One client's input cannot hurt another's requests (issue 18, item 1), through the real
 stack: four streaming requests run to completion, token for token as when they ran alone,
-while a 64 MiB body (413 before it is read), a JSON string with a lone surrogate (400
+while a 64 MiB body (413 as it passes the cap, the rest drained), a JSON string with a lone surrogate (400
 naming the field), a malformed body (400) and a prompt too large for the tokenize stream
 (refused alone) are sent; /health and the gRPC health stay SERVING throughout."""
 from __future__ import annotations

@@ -177,3 +177,23 @@ def test_best_of_answers_the_most_likely_samples(client, model):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=model, prompt="hi", max_tokens=3, **extra)
         assert info.value.body["param"] == "best_of" and words in info.value.body["message"]
+
+
+@pytest.mark.parametrize("number", [float, int])
+def test_a_number_cannot_run_away(client, number):
+    """Issue 37 item 8: "Describe Paris as JSON." with name, country and a number, greedy and
+    120 tokens, wrote population_millions' digits until max_tokens (LengthFinishReasonError);
+    the grammar's bound on numbers (constraints.bounded_schema) ends the JSON in time."""
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+        population_millions: number
+
+    served = client.models.list().data[0].id
+    parse = client.beta.chat.completions.parse if hasattr(client, "beta") else client.chat.completions.parse
+    r = parse(model=served, messages=user("Describe Paris as JSON."), max_tokens=120, temperature=0.0,
+              response_format=City)
+    assert r.choices[0].finish_reason == "stop"
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and city.country
+    assert abs(city.population_millions) <= 2 ** 53 - 1

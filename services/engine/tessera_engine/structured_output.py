@@ -1,7 +1,9 @@
 """Structured output: constraints compiled against the model's tokenizer, applied as token masks.
 
 A request's constraint (StructuredOutputSpec: JSON schema, any JSON object, regex, grammar
-or choices) becomes an llguidance grammar, and each sample gets a matcher over the model's
+or choices) becomes an llguidance grammar (JSON with its whitespace, numbers and strings
+bounded where the schema states no limit: tessera.common.constraints, so a greedy model
+cannot write digits until max_tokens), and each sample gets a matcher over the model's
 own vocabulary. Compiling (building the matcher) runs on a worker thread, never in a step:
 the request waits in the scheduler's queue, skipped, until its matcher is ready (as vLLM's
 structured-output manager does), and fails with INVALID_ARGUMENT if the constraint does not

@@ -342,8 +342,9 @@ class FakeContext:
     def code(self):
         return self.status[0] if self.status else None
 
-    async def abort(self, code: grpc.StatusCode, details: str):
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata=()):
         self.status = (code, details)
+        self.trailing_metadata = tuple(trailing_metadata)
         raise Aborted(details)
 
 
@@ -361,6 +362,7 @@ async def test_grpc_refuses_an_unknown_adapter_before_admission_and_gates_update
     with pytest.raises(Aborted):
         await servicer.Complete(frontend_pb2.GenerateRequest(text="Hello", lora_name="sql"), context)
     assert context.status[0] == Code.RESOURCE_EXHAUSTED  # a served one passes on to admission
+    assert context.trailing_metadata == (("retry-after", "1"),)  # the client's hint, as HTTP's Retry-After
 
     listed = await servicer.ListLoRAAdapters(common_pb2.ListLoRAAdaptersRequest(), FakeContext())
     assert [x.name for x in listed.adapters] == ["sql"] and listed.enabled and listed.max_lora_rank == 16

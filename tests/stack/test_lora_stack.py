@@ -160,6 +160,16 @@ def test_models_list_the_adapters_with_their_parent(lora):
 
 
 @pytest.mark.integration
+def test_grpc_list_models_lists_the_adapters_with_their_parent(lora):
+    models = lora.stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=10).models
+    assert [(m.id, m.parent) for m in models] == [(lora.base, ""), ("chef", lora.base), ("pirate", lora.base)]
+    assert models[1].root == str(lora.adapters["chef"])
+    assert models[1].max_model_len == models[0].max_model_len > 0
+    info = lora.stub.GetServerInfo(frontend_pb2.GetServerInfoRequest(), timeout=10)
+    assert info.allow_runtime_lora_updating and info.model == lora.base
+
+
+@pytest.mark.integration
 def test_an_adapter_answers_streamed_and_differently_from_the_base_model(lora):
     chef = lora.chat("chef", stream=True)
     assert chef and chef == lora.chat("chef")

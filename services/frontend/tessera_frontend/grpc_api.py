@@ -1,9 +1,11 @@
 """The public gRPC API: FrontendService (Generate streams, Complete returns whole; the LoRA
 adapters: ListLoRAAdapters, and LoadLoRAAdapter / UnloadLoRAAdapter on every engine replica
-when --allow-runtime-lora-updating, else FAILED_PRECONDITION; `lora`).
+when --allow-runtime-lora-updating, else FAILED_PRECONDITION; `lora`), and the calls that reach
+no engine (ListModels, Tokenize, Detokenize, GetServerInfo: `grpc_info`).
 
 Every request is validated first (`validation.validate_request`): a bad field is
-answered INVALID_ARGUMENT with a message that starts with the field's name. A
+answered INVALID_ARGUMENT with a message that starts with the field's path in the
+request ("sampling_params.temperature: ...", `public_message`). A
 `lora_name` the engines' lists do not have is NOT_FOUND naming it. Then
 it is admitted (`admission`): past the in-flight cap it is answered
 RESOURCE_EXHAUSTED at once. The request id is the client's (field, else
@@ -25,12 +27,18 @@ from tessera.common.grpc_service import request_id_from
 from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tessera_frontend.admission import AdmissionController, Overloaded, Ticket
 from tessera_frontend.async_llm import AsyncLLM, GenerateError, Prompt
+from tessera_frontend.grpc_info import InfoCalls
+from tessera_frontend.grpc_util import StatusError
 from tessera_frontend.lora import LoRAError, LoRARegistry
 from tessera_frontend.metrics import RequestTracker, grpc_tracker, record_rejected
 from tessera_frontend.output_processor import SampleOutput
 from tessera_frontend.validation import Limits, ValidationError, validate_request, validate_request_id
 
 log = logging.getLogger(__name__)
+
+# The fields of a GenerateRequest's sampling_params: the rules (validation, request_rules, the
+# engine) name them bare, the gRPC answer by their path in the request.
+_SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
 def _prompt_of(request: frontend_pb2.GenerateRequest) -> Prompt:
@@ -44,11 +52,12 @@ def _prompt_of(request: frontend_pb2.GenerateRequest) -> Prompt:
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
     def __init__(self, llm: AsyncLLM, limits: Limits, admission: AdmissionController,
-                 lora: LoRARegistry | None = None) -> None:
+                 lora: LoRARegistry | None = None, served_model_name: str | None = None) -> None:
         self._llm = llm
         self._limits = limits
         self._admission = admission
         self._lora = lora or LoRARegistry(llm.engine)
+        self._info = InfoCalls(llm, limits, admission, self._lora, served_model_name)
 
     async def Generate(self, request: frontend_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> None:
@@ -104,13 +113,15 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             await self._check_lora(request.lora_name, request_id, context)
             ticket = self._admission.admit()
         except ValidationError as exc:
-            log.info("request rejected", extra={"request_id": request_id[:64], "error": str(exc)})
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            message = public_message(str(exc))
+            log.info("request rejected", extra={"request_id": request_id[:64], "error": message})
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         except Overloaded as exc:
             record_rejected("grpc", "max_inflight_requests")
             log.warning("request refused: overloaded", extra={"request_id": request_id,
                                                               "in_flight": self._admission.in_flight})
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            # the client's hint, as HTTP's Retry-After: 1 (tessera.client waits this long before its retry)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=(("retry-after", "1"),))
         return request_id, ticket
 
     async def _check_lora(self, lora_name: str, request_id: str, context: grpc.aio.ServicerContext) -> None:
@@ -141,6 +152,26 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
         except LoRAError as exc:
             await context.abort(exc.code, exc.message)
 
+    async def ListModels(self, request: frontend_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> frontend_pb2.ListModelsResponse:
+        async with _status_of(context, "ListModels"):
+            return await self._info.list_models()
+
+    async def Tokenize(self, request: frontend_pb2.FrontendServiceTokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> frontend_pb2.FrontendServiceTokenizeResponse:
+        async with _status_of(context, "Tokenize"):
+            return await self._info.tokenize(request)
+
+    async def Detokenize(self, request: frontend_pb2.FrontendServiceDetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> frontend_pb2.FrontendServiceDetokenizeResponse:
+        async with _status_of(context, "Detokenize"):
+            return await self._info.detokenize(request)
+
+    async def GetServerInfo(self, request: frontend_pb2.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> frontend_pb2.GetServerInfoResponse:
+        async with _status_of(context, "GetServerInfo"):
+            return await self._info.server_info()
+
     @contextlib.asynccontextmanager
     async def _outputs(self, request: frontend_pb2.GenerateRequest, request_id: str,
                        context: grpc.aio.ServicerContext):
@@ -152,9 +183,31 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServiceServicer):
             async with contextlib.aclosing(outputs):
                 yield outputs
         except GenerateError as exc:
+            message = public_message(exc.message) if exc.code == grpc.StatusCode.INVALID_ARGUMENT else exc.message
             log.info("request failed", extra={"request_id": request_id, "code": exc.code.name,
-                                              "error": exc.message})
-            await context.abort(exc.code, exc.message)
+                                              "error": message})
+            await context.abort(exc.code, message)
+
+
+@contextlib.asynccontextmanager
+async def _status_of(context: grpc.aio.ServicerContext, call: str):
+    """A StatusError raised inside becomes the call's status."""
+    try:
+        yield
+    except StatusError as exc:
+        log.info("call failed", extra={"call": call, "code": exc.code.name, "error": exc.message})
+        await context.abort(exc.code, exc.message)
+
+
+def public_message(message: str) -> str:
+    """A refusal's message as the gRPC API words it: one that starts with a SamplingParams field
+    ("temperature: ...", "logit_bias[5]: ...") names it by its path in the GenerateRequest
+    ("sampling_params.temperature: ..."); any other message is left as it is."""
+    field, sep, _ = message.partition(": ")
+    root = field.split("[", 1)[0].split(".", 1)[0]
+    if sep and " " not in field and root in _SAMPLING_FIELDS:
+        return f"sampling_params.{message}"
+    return message
 
 
 def _response(out: SampleOutput) -> frontend_pb2.GenerateResponse:

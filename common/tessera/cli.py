@@ -2,6 +2,7 @@
 
     tessera generate "Why is the sky blue?" [--addr HOST:PORT] [--max-tokens N]
                      [--temperature T] [--seed S] [--raw] [--wait SECONDS]
+                     [--api-key KEY] [--ca-file PEM [--cert-file PEM --key-file PEM]]
     tessera health [--addr HOST:PORT] [--wait SECONDS]
     tessera health --metrics-addr HOST:PORT
     tessera serve [--model PATH] [any service flag ...]   (tessera.serve)
@@ -10,6 +11,8 @@
 `generate` sends the prompt as one user chat message (or as plain text with
 --raw), streams the text to stdout as it arrives, then prints a newline and the
 usage to stderr. gRPC errors are reported on stderr with a non-zero exit status.
+It is a user of tessera.client (the tessera-client distribution), imported only
+for `generate`: the service images, which run `tessera health`, do not install it.
 `health --metrics-addr` asks any service's HTTP /health on its metrics port instead of
 gRPC (the same answer, whatever TLS the gRPC port speaks): the images' HEALTHCHECK.
 """
@@ -27,10 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tessera.common.flags import add_flag
 from tessera.common.grpc_service import CHANNEL_OPTIONS
-from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 
 EXIT_RPC_ERROR = 1
 EXIT_NOT_SERVING = 2
+EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
@@ -44,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None, help="0 for greedy")
     gen.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as chat")
+    add_flag(gen, "--api-key", "TESSERA_API_KEY", None, secret=True,
+             help="the frontend's API key (its --api-key; the first when comma-separated)")
+    add_flag(gen, "--ca-file", "TESSERA_CLIENT_CA_FILE", None,
+             help="PEM CA: reach the frontend over TLS, verifying its certificate")
+    add_flag(gen, "--cert-file", "TESSERA_CLIENT_CERT_FILE", None,
+             help="PEM certificate to present (mutual TLS; with --key-file)")
+    add_flag(gen, "--key-file", "TESSERA_CLIENT_KEY_FILE", None, help="PEM private key of --cert-file")
 
     health = commands.add_parser("health", help="print the frontend's health status")
     health.add_argument("--metrics-addr", default=None, metavar="HOST:PORT",
@@ -79,45 +89,55 @@ def wait_serving(channel: grpc.Channel, seconds: float) -> str:
         time.sleep(0.5)
 
 
-def _request(args: argparse.Namespace) -> frontend_pb2.GenerateRequest:
-    params = common_pb2.SamplingParams()
-    if args.max_tokens is not None:
-        params.max_tokens = args.max_tokens
-    if args.temperature is not None:
-        params.temperature = args.temperature
-    if args.seed is not None:
-        params.seed = args.seed
-    request = frontend_pb2.GenerateRequest(sampling_params=params)
-    if args.raw:
-        request.text = args.prompt
-    else:
-        request.chat.messages.append(tokenizer_pb2.ChatMessage(role="user", content=args.prompt))
-    return request
+def _prompt_args(args: argparse.Namespace) -> dict:
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    prompt = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
+    return {**prompt, **{k: v for k, v in sampling.items() if v is not None}}
 
 
-def cmd_generate(args: argparse.Namespace, channel: grpc.Channel) -> int:
-    stub = frontend_pb2_grpc.FrontendServiceStub(channel)
-    call = stub.Generate(_request(args))
-    last = None
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:  # the client only here: the service images do not install it
+        from tessera.client import Client, TesseraError
+    except ImportError as exc:
+        print(f"tessera: generate needs the tessera-client package (pip install ./client): {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        for response in call:
-            if response.text:
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-            last = response
-    except KeyboardInterrupt:
-        call.cancel()
-        print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        client = Client(args.addr, api_key=args.api_key, ca_file=args.ca_file, cert_file=args.cert_file,
+                        key_file=args.key_file)
+    except ValueError as exc:
+        print(f"tessera: generate: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    with client:
+        if args.wait > 0:
+            status = wait_serving(client.channel, args.wait)
+            if status != "SERVING":
+                print(f"tessera: frontend at {args.addr} not SERVING after {args.wait:g}s ({status})",
+                      file=sys.stderr)
+                return EXIT_NOT_SERVING
+        stream = client.generate(**_prompt_args(args))
+        last = None
+        try:
+            for delta in stream:
+                if delta.text:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+                if delta.finished or delta.usage is not None:
+                    last = delta
+        except KeyboardInterrupt:
+            stream.cancel()
+            print("\ninterrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except TesseraError as exc:
+            print(f"tessera: generate failed: {exc} (frontend {args.addr})", file=sys.stderr)
+            return EXIT_RPC_ERROR
     sys.stdout.write("\n")
     sys.stdout.flush()
     if last is not None:
-        reason = common_pb2.FinishReason.Name(last.finish_reason)
-        stop = f" stop_reason={last.stop_reason!r}" if last.HasField("stop_reason") else ""
+        stop = f" stop_reason={last.stop_reason!r}" if last.stop_reason is not None else ""
         u = last.usage
-        print(f"[{last.request_id}] finish_reason={reason}{stop} prompt_tokens={u.prompt_tokens} "
-              f"completion_tokens={u.completion_tokens} cached_prompt_tokens={u.cached_prompt_tokens}",
-              file=sys.stderr)
+        usage = (f" prompt_tokens={u.prompt_tokens} completion_tokens={u.completion_tokens} "
+                 f"cached_prompt_tokens={u.cached_prompt_tokens}") if u is not None else ""
+        print(f"[{last.request_id}] finish_reason={last.finish_reason}{stop}{usage}", file=sys.stderr)
     return 0
 
 
@@ -152,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "health" and args.metrics_addr:
         return http_health(args.metrics_addr)
+    if args.command == "generate":
+        return cmd_generate(args)
     with grpc.insecure_channel(args.addr, options=CHANNEL_OPTIONS) as channel:
         if args.wait > 0:
             status = wait_serving(channel, args.wait)
@@ -160,8 +182,6 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return EXIT_NOT_SERVING
         try:
-            if args.command == "generate":
-                return cmd_generate(args, channel)
             return cmd_health(args, channel)
         except grpc.RpcError as exc:
             print(f"tessera: {args.command} failed: {exc.code().name}: {exc.details()} "

@@ -4,7 +4,8 @@ serve: started on free ports with the default model, its printed endpoints answe
 request, SIGTERM stops all three children with exit status 0.
 bench: a few requests in each mode (concurrency, request rate, duration) over HTTP chat,
 completions and gRPC; every figure present and consistent with the per-request records and
-with the engine's own token counter; a bad option is a usage error that names it.
+with the engine's own token counter; vLLM's custom JSONL dataset, --endpoint, --request-timeout
+(a cancelled request fails and the server frees it); a bad option is a usage error that names it.
 """
 from __future__ import annotations
 
@@ -180,6 +181,61 @@ def test_sharegpt_file(stack, tmp_path):  # noqa: F811
     assert r["completed"] == 3 and r["output_lens"] == [5] * 3
 
 
+def write_jsonl(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_custom_jsonl_dataset_on_an_endpoint_with_headers_and_warmups(stack, tmp_path):  # noqa: F811
+    # vLLM's custom format: a prompt per line, output_tokens optional (taken with --custom-output-len -1)
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Name a colour.", "output_tokens": 3},
+                                                    {"prompt": "Name a fruit.", "output_tokens": 5},
+                                                    {"prompt": "Name a tree.", "output_tokens": 4}])
+    before = engine_tokens(stack)
+    proc, r = run_bench(tmp_path, "--backend", "openai-chat", "--base-url", stack.http_url,
+                        "--endpoint", "/v1/chat/completions", "--dataset-name", "custom", "--dataset-path", path,
+                        "--custom-output-len", "-1", "--disable-shuffle", "--num-prompts", "3", "--ignore-eos",
+                        "--request-rate", "50", "--burstiness", "inf", "--header", "X-Bench-Run=1",
+                        "--num-warmups", "2", "--metadata", "run=custom")
+    check_figures(proc, r)
+    assert r["completed"] == 3 and r["output_lens"] == [3, 5, 4]  # the file's order and lengths
+    assert r["endpoint"] == "/v1/chat/completions" and r["dataset_name"] == "custom" and r["run"] == "custom"
+    # the chat template is the server's: each prompt counts more tokens than its words
+    assert all(n > 4 for n in r["input_lens"])
+    # the run's tokens, the test request's and the two warm-ups' (copies of the first prompt)
+    assert engine_tokens(stack) - before == r["total_output_tokens"] + 3 * 3
+    # the records in the order sent; the last was due 3 / 50 s after the start (evenly spaced)
+    assert r["start_times"] == sorted(r["start_times"]) and r["duration"] > 3 / 50
+
+    # the same file over completions, shuffled by the seed and repeated up to --num-prompts
+    proc, r = run_bench(tmp_path, "--backend", "openai", "--base-url", stack.http_url,
+                        "--dataset-name", "custom", "--dataset-path", path, "--custom-output-len", "2",
+                        "--num-prompts", "5", "--ignore-eos")
+    check_figures(proc, r)
+    assert r["completed"] == 5 and r["output_lens"] == [2] * 5 and r["endpoint"] == "/v1/completions"
+
+
+def test_endpoint_is_the_path_requests_go_to(stack, tmp_path):  # noqa: F811
+    proc = subprocess.run([*TESSERA, "bench", "--backend", "openai-chat", "--base-url", stack.http_url,
+                           "--endpoint", "/v1/no-such-path", "--num-prompts", "1", "--disable-tqdm", *SMALL],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "the test request failed: HTTP 404" in proc.stderr
+
+
+def test_request_timeout_cancels_a_long_request_and_counts_it_failed(stack, tmp_path):  # noqa: F811
+    # the first prompt (the test request) is short; the other would decode for minutes
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Say yes.", "output_tokens": 2},
+                                                    {"prompt": "Count to a million.", "output_tokens": 2000}])
+    proc, r = run_bench(tmp_path, "--backend", "openai-chat", "--base-url", stack.http_url, "--dataset-name",
+                        "custom", "--dataset-path", path, "--custom-output-len", "-1", "--disable-shuffle",
+                        "--num-prompts", "2", "--ignore-eos", "--request-timeout", "4")
+    assert r["completed"] == 1 and r["failed"] == 1 and r["request_timeout"] == 4
+    assert r["errors"][1] == "timed out after 4 s (--request-timeout)" and 4 <= r["e2els"][1] < 6
+    assert "1 requests failed; the first: timed out after 4 s" in proc.stderr
+    wait_engine_gauges_idle(stack.engine.metrics_url)  # the cancelled stream aborted the request on the server
+
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -221,6 +277,9 @@ def test_concurrency_sweep_saves_runs_and_charts_and_plot_draws_several(stack, t
     (["--goodput", "ttft=500"], "--goodput"),
     (["--percentile-metrics", "ttft,speed"], "--percentile-metrics"),
     (["--dataset-name", "sharegpt"], "--dataset-path"),
+    (["--dataset-name", "custom", "--dataset-path", "prompts.json"], "--dataset-path"),
+    (["--request-timeout", "-1"], "--request-timeout"),
+    (["--backend", "grpc", "--endpoint", "/v1/completions"], "--endpoint"),
     (["--duration", "5"], "--duration"),
 ])
 def test_bad_bench_option_is_a_usage_error_naming_it(args, named):

@@ -2,17 +2,14 @@
 OpenAI-compatible server), and tessera's gRPC Generate."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-import grpc
-
 from tessera.bench.datasets import SampleRequest
-from tessera.common.grpc_service import CHANNEL_OPTIONS
-from tessera.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 BACKENDS = ("openai-chat", "openai", "grpc")
 
@@ -42,7 +39,12 @@ Sender = Callable[[SampleRequest], Awaitable[RequestResult]]
 
 
 class _Timer:
-    """Timestamps of a request's token-bearing chunks."""
+    """Timestamps of a request's token-bearing chunks. Against `vllm bench serve`'s (the same
+    figures within noise, benchmarks/bench_crosscheck.py): its TTFT ends at the first chunk with
+    choices, the role-only chunk that a server (tessera's, vLLM's) sends with the first token, ours
+    at the first chunk with text; its latency ends at the last chunk with choices, ours after
+    [DONE] (the usage chunk between: microseconds); its ITLs count the role chunk -> first text gap
+    too. Both count output tokens from the server's usage.completion_tokens."""
 
     def __init__(self, result: RequestResult) -> None:
         self.result = result
@@ -78,14 +80,24 @@ def http_client(max_connections: int):
     return httpx2.AsyncClient(timeout=httpx2.Timeout(6 * 3600.0, connect=30.0), limits=limits)
 
 
-class OpenAIBackend:
-    """POST {base_url}/v1/chat/completions or /v1/completions with stream and include_usage."""
+def default_endpoint(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
 
-    def __init__(self, client, base_url: str, model: str, chat: bool, ignore_eos: bool) -> None:
+
+class OpenAIBackend:
+    """POST {base_url}{endpoint} (default /v1/chat/completions or /v1/completions) with stream and
+    include_usage; `headers` and `extra_body` added to every request, as vLLM's --header and
+    --extra-body (the extra body last: it can replace any field, e.g. temperature)."""
+
+    def __init__(self, client, base_url: str, model: str, chat: bool, ignore_eos: bool, *,
+                 endpoint: str | None = None, headers: dict[str, str] | None = None,
+                 extra_body: dict | None = None) -> None:
         self.client, self.model, self.chat, self.ignore_eos = client, model, chat, ignore_eos
-        self.url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
+        self.url = base_url.rstrip("/") + (endpoint or default_endpoint(chat))
         key = os.environ.get("OPENAI_API_KEY")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.headers.update(headers or {})
+        self.extra_body = dict(extra_body or {})
 
     def body(self, sample: SampleRequest) -> dict:
         body: dict = {"model": self.model, "temperature": 0.0, "stream": True,
@@ -99,6 +111,7 @@ class OpenAIBackend:
             body["max_tokens"] = sample.expected_output_len
         if self.ignore_eos:
             body["ignore_eos"] = True  # a vLLM (and tessera) extension: not sent unless asked
+        body.update(self.extra_body)
         return body
 
     async def __call__(self, sample: SampleRequest) -> RequestResult:
@@ -138,36 +151,54 @@ class OpenAIBackend:
             timer.result.usage_reported = True
 
 
+def with_timeout(send: Sender, timeout_s: float | None) -> Sender:
+    """`send` with a limit on each request's whole time (--request-timeout): a request still
+    running after timeout_s seconds is cancelled (its stream closed) and counts as failed."""
+    if timeout_s is None:
+        return send
+
+    async def timed(sample: SampleRequest) -> RequestResult:
+        start = time.perf_counter()
+        try:
+            return await asyncio.wait_for(send(sample), timeout_s)
+        except asyncio.TimeoutError:
+            return RequestResult(prompt_len=sample.prompt_len, start=start, latency=time.perf_counter() - start,
+                                 error=f"timed out after {timeout_s:g} s (--request-timeout)")
+
+    return timed
+
+
 class GrpcBackend:
-    """tessera's FrontendService.Generate with the whole prompt as text."""
+    """tessera's FrontendService.Generate with the whole prompt as text, through tessera.client
+    (the API key from TESSERA_API_KEY; no retries: a refused request is a measured failure)."""
 
     def __init__(self, addr: str, ignore_eos: bool) -> None:
-        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        self.stub = frontend_pb2_grpc.FrontendServiceStub(self.channel)
+        from tessera.client import AsyncClient  # tessera-client (the dev venv has it; the images do not bench)
+
+        self.client = AsyncClient(addr, max_retries=0, timeout=None)
         self.ignore_eos = ignore_eos
-        key = os.environ.get("TESSERA_API_KEY", "").split(",")[0]
-        self.metadata = (("authorization", f"Bearer {key}"),) if key else None
 
     async def __call__(self, sample: SampleRequest) -> RequestResult:
+        from tessera.client import TesseraError
+
         result = RequestResult(prompt_len=sample.prompt_len)
-        params = common_pb2.SamplingParams(temperature=0.0, max_tokens=sample.expected_output_len,
-                                           ignore_eos=self.ignore_eos)
         timer = _Timer(result)
         try:
-            async for message in self.stub.Generate(
-                    frontend_pb2.GenerateRequest(text=sample.text(), sampling_params=params), metadata=self.metadata):
-                if message.token_ids:
-                    timer.chunk(message.text)
-                if message.HasField("usage"):
-                    result.prompt_len = message.usage.prompt_tokens
-                    result.output_tokens = message.usage.completion_tokens
+            async for delta in self.client.generate(prompt=sample.text(), temperature=0.0,
+                                                    max_tokens=sample.expected_output_len,
+                                                    ignore_eos=self.ignore_eos):
+                if delta.token_ids:
+                    timer.chunk(delta.text)
+                if delta.usage is not None:
+                    result.prompt_len = delta.usage.prompt_tokens
+                    result.output_tokens = delta.usage.completion_tokens
                     result.usage_reported = True
-        except grpc.aio.AioRpcError as exc:
-            result.error = f"{exc.code().name}: {exc.details()}"
+        except TesseraError as exc:
+            result.error = str(exc)  # "CODE: message"
             result.latency = time.perf_counter() - result.start
             return result
         timer.done()
         return result
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self.client.close()

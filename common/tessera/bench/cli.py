@@ -4,17 +4,21 @@ line carries over) and the run: build the dataset, check one request, send the l
     tessera bench --backend openai-chat --base-url http://127.0.0.1:8000 --num-prompts 200 \\
         --max-concurrency 16 --random-input-len 256 --random-output-len 64 --save-result
     tessera bench --backend grpc --addr 127.0.0.1:50051 --request-rate 4 --duration 60 ...
+    tessera bench --backend openai-chat --endpoint /v1/chat/completions --dataset-name custom \\
+        --dataset-path prompts.jsonl --custom-output-len 128 --request-rate 2 --request-timeout 60
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import datetime
+import json
 import math
 import sys
 
 from tessera.bench import datasets, load, metrics, plots, report
-from tessera.bench.backends import BACKENDS, GrpcBackend, OpenAIBackend, RequestResult, http_client
+from tessera.bench.backends import (BACKENDS, GrpcBackend, OpenAIBackend, RequestResult, default_endpoint,
+                                    http_client, with_timeout)
 from tessera.bench.vocab import GrpcVocabulary, HttpVocabulary, WordVocabulary
 from tessera.common.flags import add_flag
 
@@ -30,6 +34,27 @@ def _csv(kind):
     return parse
 
 
+def _key_values(flag: str, items: list[str] | None) -> dict[str, str]:
+    """["KEY=VALUE", ...] -> {KEY: VALUE}; ValueError naming the flag and a bad item."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag}: expected KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def _json_object(value: str) -> dict:
+    try:
+        body = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg} in {value!r}") from None
+    if not isinstance(body, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return body
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera bench",
                                 description="load generator for tessera or any OpenAI-compatible server")
@@ -40,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server URL (default http://HOST:PORT); HTTP backends, and the vocabulary")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--endpoint", default=None,
+                   help="the API path from the server's root, as vLLM's (default /v1/chat/completions with "
+                        "openai-chat, /v1/completions with openai; a --base-url ending in /v1 loses it first)")
+    p.add_argument("--header", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="HTTP headers added to every request (they replace the Authorization from OPENAI_API_KEY)")
+    p.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                   help='a JSON object merged into every request body last, e.g. \'{"temperature": 0.7}\'')
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="cancel a request still running after this many seconds and count it as failed "
+                        "(default: none; vLLM's bench serve gives each request 6 hours)")
     add_flag(p, "--addr", "TESSERA_FRONTEND_ADDR", "localhost:50051", help="frontend gRPC address (--backend grpc)")
     p.add_argument("--tokenizer-addr", default=None,
                    help="build prompts with tessera's tokenizer gRPC service here instead of the server's "
@@ -51,10 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="mean requests per second (inf: all at once)")
     p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps between requests: 1 Poisson, < 1 burstier, > 1 more even")
+                   help="gamma shape of the gaps between requests: 1 Poisson, < 1 burstier, > 1 more even, "
+                        "inf evenly spaced (the gaps are vLLM's for the same --seed, scaled as vLLM scales them "
+                        "to end at num_prompts / rate)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    p.add_argument("--dataset-name", choices=["random", "sharegpt", "prefix"], default="random")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset-name sharegpt)")
+    p.add_argument("--dataset-name", choices=["random", "sharegpt", "prefix", "custom"], default="random")
+    p.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON file (--dataset-name sharegpt); JSONL file, one {\"prompt\": ..., "
+                        "\"output_tokens\": N (optional)} per line (--dataset-name custom, vLLM's format)")
+    p.add_argument("--custom-output-len", type=int, default=256,
+                   help="max tokens of every custom request; -1: each line's output_tokens (--dataset-name custom)")
+    p.add_argument("--skip-chat-template", action="store_true",
+                   help="accepted for vLLM's command lines; tessera bench always sends custom prompts as they "
+                        "are (the chat backend as the user message, templated by the server), which is what "
+                        "this flag makes vLLM do")
+    p.add_argument("--disable-shuffle", action="store_true",
+                   help="custom prompts in the file's order (default: shuffled by --seed, as vLLM)")
+    p.add_argument("--no-oversample", action="store_true",
+                   help="fewer custom prompts than --num-prompts: send those only (default: repeat random ones)")
     p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random, prefix)")
     p.add_argument("--random-output-len", type=int, default=128, help="max tokens to generate (random, prefix)")
     p.add_argument("--random-range-ratio", type=float, default=0.0,
@@ -65,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max tokens for every ShareGPT request (default: the recorded answer's length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="generate max tokens whatever the model says")
+    p.add_argument("--num-warmups", type=int, default=0,
+                   help="requests (copies of the first prompt) sent before the run and not counted")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 (ms; names ttft, tpot, e2el)")
     p.add_argument("--percentile-metrics", type=_csv(str), default=list(metrics.LATENCY_METRICS),
@@ -74,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-result", action="store_true", help="save the result as JSON")
     p.add_argument("--result-dir", default=None, help="where the JSON goes (default: here)")
     p.add_argument("--result-filename", default=None, help="JSON file name (default: from the settings and time)")
+    p.add_argument("--metadata", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="recorded in the saved result, e.g. --metadata server=tessera round=1")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     sweep = p.add_mutually_exclusive_group()
     sweep.add_argument("--sweep-max-concurrency", type=_csv(int), default=None, metavar="N,N,...",
@@ -102,8 +155,29 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.prefix_len < 0:
         parser.error(f"--prefix-len must be >= 0, got {args.prefix_len}")
-    if args.dataset_name == "sharegpt" and not args.dataset_path:
-        parser.error("--dataset-path is required with --dataset-name sharegpt")
+    if args.dataset_name in ("sharegpt", "custom") and not args.dataset_path:
+        parser.error(f"--dataset-path is required with --dataset-name {args.dataset_name}")
+    if args.dataset_name == "custom" and not args.dataset_path.endswith(".jsonl"):
+        parser.error(f"--dataset-path: a custom dataset is a .jsonl file, got {args.dataset_path!r}")
+    if not (args.custom_output_len > 0 or args.custom_output_len == -1):
+        parser.error(f"--custom-output-len must be > 0, or -1 for each line's output_tokens, "
+                     f"got {args.custom_output_len}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.num_warmups < 0:
+        parser.error(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if args.endpoint is not None and not args.endpoint.startswith("/"):
+        parser.error(f"--endpoint is a path starting with /, got {args.endpoint!r}")
+    if args.backend == "grpc":
+        for flag, value in (("--endpoint", args.endpoint), ("--header", args.header),
+                            ("--extra-body", args.extra_body)):
+            if value is not None:
+                parser.error(f"{flag} is for the HTTP backends (openai-chat, openai), not --backend grpc")
+    try:
+        args.headers = _key_values("--header", args.header)
+        args.metadata_dict = _key_values("--metadata", args.metadata)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.duration and math.isinf(args.request_rate) and not args.max_concurrency:
         parser.error("--duration needs --max-concurrency or a finite --request-rate (else it floods the server)")
     bad = [m for m in args.percentile_metrics if m not in metrics.LATENCY_METRICS]
@@ -146,6 +220,10 @@ async def build_dataset(args: argparse.Namespace, vocab) -> list[datasets.Sample
     if args.dataset_name == "sharegpt":
         return await datasets.sharegpt_requests(vocab, args.dataset_path, args.num_prompts, args.seed,
                                                 args.sharegpt_output_len)
+    if args.dataset_name == "custom":
+        return await datasets.custom_requests(vocab, args.dataset_path, args.num_prompts, args.seed,
+                                              args.custom_output_len, shuffle=not args.disable_shuffle,
+                                              oversample=not args.no_oversample)
     prefix = args.prefix_len if args.dataset_name == "prefix" else 0
     return await datasets.random_requests(vocab, args.num_prompts, args.random_input_len, args.random_output_len,
                                           args.random_range_ratio, args.seed, prefix)
@@ -167,13 +245,19 @@ async def bench(args: argparse.Namespace) -> int:
                 vocab = WordVocabulary()
             print(f"building {args.dataset_name} prompts", file=sys.stderr)
             samples = await build_dataset(args, vocab)
-            send = grpc_backend or OpenAIBackend(client, args.base_url, args.model,
-                                                 args.backend == "openai-chat", args.ignore_eos)
+            send = with_timeout(grpc_backend or OpenAIBackend(
+                client, args.base_url, args.model, args.backend == "openai-chat", args.ignore_eos,
+                endpoint=args.endpoint, headers=args.headers, extra_body=args.extra_body), args.request_timeout)
             # one request first: a wrong URL or model fails here, not as N failed requests
             first = await send(samples[0])
             if not first.success:
                 print(f"tessera bench: the test request failed: {first.error}", file=sys.stderr)
                 return EXIT_FAILED
+            if args.num_warmups:
+                print(f"warming up with {args.num_warmups} requests", file=sys.stderr)
+                await load.run_load(send, [samples[0]] * args.num_warmups, num_prompts=args.num_warmups,
+                                    duration=None, request_rate=math.inf, burstiness=1.0,
+                                    max_concurrency=args.max_concurrency, seed=args.seed)
             code, runs = 0, []
             for setting in settings(args):
                 vars(args).update(setting)
@@ -248,8 +332,11 @@ def finish(args: argparse.Namespace, results: list[RequestResult], duration: flo
             "date": now.strftime("%Y%m%d-%H%M%S"), "backend": args.backend, "model_id": args.model,
             "base_url": args.base_url if args.backend != "grpc" else None,
             "addr": args.addr if args.backend == "grpc" else None,
-            "dataset_name": args.dataset_name, "num_prompts": args.num_prompts, "duration_limit": args.duration,
-            "burstiness": args.burstiness, "seed": args.seed,
+            "endpoint": (None if args.backend == "grpc"
+                         else args.endpoint or default_endpoint(args.backend == "openai-chat")),
+            "dataset_name": args.dataset_name, "dataset_path": args.dataset_path, "num_prompts": args.num_prompts,
+            "duration_limit": args.duration, "burstiness": args.burstiness, "seed": args.seed,
+            "request_timeout": args.request_timeout, **args.metadata_dict,
             **figures, **metrics.per_request(results),
         }
         rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"

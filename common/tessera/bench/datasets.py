@@ -1,6 +1,7 @@
 """The prompts a benchmark sends: synthetic ones built from the server's vocabulary
-(`random`), a shared long system prompt before each (`prefix`, to show the prefix cache), or
-the first turn of ShareGPT conversations (`sharegpt`)."""
+(`random`), a shared long system prompt before each (`prefix`, to show the prefix cache), the
+first turn of ShareGPT conversations (`sharegpt`), or a JSONL file of prompts in the format of
+`vllm bench serve --dataset-name custom` (`custom`)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +27,7 @@ DETOKENIZE_CONCURRENCY = 32
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
+TOKENIZE_CONCURRENCY = 32
 
 
 @dataclass
@@ -102,3 +104,74 @@ async def sharegpt_requests(vocab: Vocabulary, path: str, n: int, seed: int,
     if not chosen:
         raise ValueError(f"{path}: no usable conversations")
     return chosen
+
+
+def read_custom(path: str) -> list[dict]:
+    """The rows of a custom dataset: a JSONL file, one JSON object per line with a "prompt"
+    string and optionally "output_tokens" (the request's max tokens), as vLLM's CustomDataset
+    reads it (other fields are ignored; blank lines skipped). ValueError naming the file and
+    line of a bad row."""
+    if not path.endswith(".jsonl"):
+        raise ValueError(f"{path}: a custom dataset is a .jsonl file (one JSON object per line), as vLLM's")
+    rows: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{number}: expected an object with a \"prompt\" string")
+            if "output_tokens" in row:
+                out = row["output_tokens"]
+                if isinstance(out, bool) or not isinstance(out, (int, float)) or out != int(out) or out < 1:
+                    raise ValueError(f"{path}:{number}: \"output_tokens\" must be a positive integer, got {out!r}")
+                row["output_tokens"] = int(out)
+            row["line"] = number
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def sample_custom(rows: list[dict], n: int, seed: int, output_len: int | None, shuffle: bool = True,
+                  oversample: bool = True) -> list[tuple[str, int]]:
+    """(prompt, max tokens) of n rows, chosen as vLLM's CustomDataset chooses them: the rows
+    shuffled by Python's random seeded with `seed` (unless not `shuffle`), the first n taken; each
+    one's max tokens `output_len`, or its "output_tokens" when output_len is None or -1; fewer rows
+    than n: random picks among them (seeded again) fill up to n, unless not `oversample`."""
+    rows = list(rows)
+    if shuffle:
+        random.Random(seed).shuffle(rows)  # the same order as vLLM's random.seed(seed); random.shuffle(rows)
+    chosen: list[tuple[str, int]] = []
+    for row in rows[:n]:
+        if output_len is None or output_len == -1:
+            if "output_tokens" not in row:
+                raise ValueError(f"line {row.get('line', '?')}: no \"output_tokens\" and no --custom-output-len "
+                                 "(-1 takes each row's)")
+            chosen.append((row["prompt"], row["output_tokens"]))
+        else:
+            chosen.append((row["prompt"], output_len))
+    if oversample and len(chosen) < n:
+        rng = random.Random(seed)
+        chosen += [rng.choice(chosen) for _ in range(n - len(chosen))]
+    return chosen
+
+
+async def custom_requests(vocab: Vocabulary, path: str, n: int, seed: int, output_len: int | None,
+                          shuffle: bool = True, oversample: bool = True) -> list[SampleRequest]:
+    """n prompts of a custom JSONL dataset (read_custom, sample_custom), sent as they are: the chat
+    backend sends each as the user message (the server applies its chat template), the others as
+    the whole prompt. Their lengths are counted with the vocabulary (the server's usage, when it
+    reports it, is what the result counts)."""
+    chosen = sample_custom(read_custom(path), n, seed, output_len, shuffle, oversample)
+    gate = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
+
+    async def length(prompt: str) -> int:
+        async with gate:
+            return len(await vocab.tokenize(prompt))
+
+    lens = await asyncio.gather(*(length(prompt) for prompt, _ in chosen))
+    return [SampleRequest(prompt, prompt_len, out) for (prompt, out), prompt_len in zip(chosen, lens)]

@@ -103,8 +103,10 @@ def compute(results: list[RequestResult], duration_s: float, percentiles: list[f
 
 
 def per_request(results: list[RequestResult]) -> dict:
-    """The per-request records, as vLLM's result files keep them (seconds)."""
+    """The per-request records, as vLLM's result files keep them (seconds; start_times: each
+    send's time.perf_counter(), as vLLM's)."""
     return {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
             "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
-            "e2els": [r.latency for r in results], "chunks": [r.chunks for r in results],
+            "e2els": [r.latency for r in results], "start_times": [r.start for r in results],
+            "chunks": [r.chunks for r in results],
             "errors": [r.error for r in results]}

@@ -32,6 +32,8 @@ from typing import Iterable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tessera.common import logs
+
 HOST = "127.0.0.1"
 SERVICE_MODULES = {"tokenizer": "tessera_tokenizer", "engine": "tessera_engine", "frontend": "tessera_frontend"}
 STOP_TIMEOUT_S = 15.0      # SIGTERM -> SIGKILL when a service has not exited by then
@@ -173,6 +175,9 @@ class Service:
         if self.bind_host:
             env["TESSERA_BIND_HOST"] = self.host
         env["PYTHONUNBUFFERED"] = "1"
+        # its log is read back (serve's progress and failure reasons, log_tail, the tests):
+        # JSON lines, whatever TESSERA_LOG_FORMAT the parent was given (self.env may still say)
+        env["TESSERA_LOG_FORMAT"] = "json"
         if self.metrics_port is not None:
             env["TESSERA_METRICS_PORT"] = str(self.metrics_port)
         return {**env, **self.env}
@@ -191,6 +196,17 @@ class Service:
         except OSError:
             return "(no log)"
 
+    def failure_reason(self) -> str | None:
+        """Why it failed, as its log says (its last error line: `logs.failure_reason`); None
+        when the log says nothing of it or there is no log file."""
+        if self.log_path is None:
+            return None
+        try:
+            with open(self.log_path, errors="replace") as log:
+                return logs.failure_reason(log)
+        except OSError:
+            return None
+
     def wait_serving(self, deadline: float, timeout_s: float | None = None) -> None:
         """Poll its health until SERVING; RuntimeError (with its log tail) when it exits first or
         the monotonic deadline passes (timeout_s: the figure that message quotes)."""
@@ -198,8 +214,9 @@ class Service:
             while True:
                 code = self.process.poll()
                 if code is not None:
-                    raise RuntimeError(f"{self.name} exited with status {code} before SERVING; "
-                                       f"log tail:\n{self.log_tail()}")
+                    reason = self.failure_reason()
+                    raise RuntimeError(f"{self.name} exited with status {code} before SERVING"
+                                       + (f": {reason}" if reason else "") + f"; log tail:\n{self.log_tail()}")
                 try:
                     status = health_status(channel)
                     self.health_seen.add(status)

@@ -8,10 +8,16 @@ gRPC and HTTP endpoints, and on Ctrl-C / SIGTERM stops them with their drain: th
 first (in-flight requests finish), then the tokenizer and the engine.
 
 A flag serve does not know goes to every service that has it (`--max-num-seqs 8` to the
-engine, `--log-level DEBUG` to all three); one no service has is a usage error. On a
-terminal the services' logs go to a file and a progress bar shows the model loading; when
-stdout is no terminal the services' JSON log lines pass through on stderr and serve's own
-lines are JSON on stdout.
+engine, `--log-level DEBUG` to all three); one no service has is a usage error.
+
+What a person sees on a terminal: a progress bar while the model loads, then the endpoints;
+the services' logs go to a file (text lines; `--log-format json` for JSON), and their
+warnings show as one line each. When a service exits (a model that can never be served ends
+the engine with the reason in its log), serve prints that reason, naming the model, and the
+last lines of that service's log, stops the others and exits 1, without waiting out
+--startup-timeout-s. When stdout is no terminal the services' log lines pass through on
+stderr (JSON, or text with `--log-format text`) and serve's own lines are JSON (or text)
+on stdout. The services always log JSON to serve, which reads them.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tessera import launch
+from tessera.common import logs
 from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S
 from tessera.launch import SERVICE_MODULES
 
@@ -39,6 +46,8 @@ DEFAULT_METRICS_PORTS = {"tokenizer": 9302, "engine": 9303, "frontend": 9301}
 LOAD_STEPS = [("tokenizer", "tokenizer loaded"), ("engine", "backend plan"), ("engine", "kv cache allocated"),
               ("engine", "warmed up"), ("engine", "engine ready"), ("frontend", "health changed")]
 EXIT_FAILED = 1
+TAIL_LINES = 50    # a child's last log lines kept in memory (its failure's reason is among them)
+SHOWN_TAIL = 10    # those printed when it fails
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="give up when the frontend is not SERVING after this long")
     p.add_argument("--log-dir", default=None,
                    help="on a terminal: where the services' logs go (default: a new temporary directory)")
+    p.add_argument("--log-format", type=logs.log_format, choices=list(logs.LOG_FORMATS),
+                   default=os.environ.get("TESSERA_LOG_FORMAT") or "auto",
+                   help="the services' log lines as serve writes them (the log file on a terminal, else stderr) "
+                        "and serve's own lines when stdout is no terminal: json or text; auto: text in the file "
+                        "on a terminal, JSON otherwise [env TESSERA_LOG_FORMAT]")
     return p
 
 
@@ -140,16 +154,27 @@ def route_flags(parser: argparse.ArgumentParser, extra: list[str]) -> dict[str, 
 @dataclass
 class Child(launch.Service):
     """A service as serve runs it (tessera.launch: own session, SIGTERM when serve dies, stderr
-    piped): with the thread that reads its log lines and their last ones."""
+    piped): with the thread that reads its log lines and their last ones (JSON, as read)."""
     reader: threading.Thread | None = None
     tail: list[str] = field(default_factory=list)
 
+    def exit_report(self) -> tuple[str, str | None, list[str]]:
+        """Once it has exited: what happened, why (its log's last error, None when it says
+        nothing), and its last log lines as text (tracebacks cut to their last line)."""
+        if self.reader is not None:
+            self.reader.join(timeout=2)  # the pipe's last lines (the reason) are read by then
+        what = f"{self.name} exited with status {self.process.returncode}"
+        shown = [logs.json_to_text(line, traceback=False) for line in self.tail[-SHOWN_TAIL:]]
+        return what, logs.failure_reason(self.tail), shown
+
 
 class Progress:
-    """Model loading shown from the services' log lines: a bar on a terminal, else the lines as they are."""
+    """What serve shows: on a terminal a progress bar built from the services' log lines while
+    the model loads, their warnings as one line each, everything else in the log file (in
+    `log_format`); elsewhere their lines as they come, on stderr."""
 
-    def __init__(self, tty: bool, log_file) -> None:
-        self.tty, self.log_file = tty, log_file
+    def __init__(self, tty: bool, log_file, log_format: str = "json") -> None:
+        self.tty, self.log_file, self.log_format = tty, log_file, log_format
         self.seen: set[tuple[str, str]] = set()
         self.lock = threading.Lock()
         self.bar = None
@@ -164,17 +189,20 @@ class Progress:
             except ImportError:  # tqdm is optional: plain lines then
                 self.bar = None
 
+    def _as_written(self, text: str) -> str:
+        line = logs.json_to_text(text) if self.log_format == "text" else text.rstrip("\n")
+        return line + "\n"
+
     def line(self, service: str, text: str) -> None:
         with self.lock:
             if not self.tty:
-                sys.stderr.write(text if text.endswith("\n") else text + "\n")
+                sys.stderr.write(self._as_written(text))
                 sys.stderr.flush()
                 return
-            self.log_file.write(text)
+            self.log_file.write(self._as_written(text))
             self.log_file.flush()
-            try:
-                record = json.loads(text)
-            except ValueError:
+            record = logs.parse_line(text)
+            if record is None:
                 return
             step = (service, record.get("msg", ""))
             if step == ("frontend", "health changed") and not record.get("serving"):
@@ -184,30 +212,62 @@ class Progress:
                 if self.bar is not None:
                     self.bar.set_description_str(f"loading: {service} {step[1]} ", refresh=False)
                     self.bar.update(1)
-            if record.get("level") in ("WARNING", "ERROR", "CRITICAL"):
-                message = f"[{service}] {record.get('level')}: {record.get('msg')}"
-                if self.bar is not None:
-                    self.bar.write(message, file=sys.stderr)
-                else:
-                    print(message, file=sys.stderr)
+            if record.get("level") == "WARNING":
+                # errors are not shown one by one: a service that fails is reported with its reason
+                self._print(logs.record_text(record, traceback=False), sys.stderr)
 
-    def say(self, msg: str, **fields) -> None:
-        """serve's own line: text on a terminal (above the bar), a JSON log line otherwise."""
+    def _print(self, text: str, stream) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=stream)
+        else:
+            print(text, file=stream, flush=True)
+
+    def say(self, msg: str, level: str = "INFO", **fields) -> None:
+        """serve's own line: on a terminal text (above the bar; to stderr when it is an error),
+        else a log line on stdout (JSON, or text with --log-format text)."""
         with self.lock:
-            if not self.tty:
-                print(json.dumps({"ts": round(time.time(), 6), "level": "INFO", "service": "serve", "msg": msg,
-                                  **fields}), flush=True)
+            if self.tty:
+                text = msg + "".join(f"  {k}={v}" for k, v in fields.items())
+                self._print(text, sys.stderr if level == "ERROR" else sys.stdout)
                 return
-            text = msg + "".join(f"  {k}={v}" for k, v in fields.items())
-            if self.bar is not None:
-                self.bar.write(text, file=sys.stdout)
-            else:
-                print(text, flush=True)
+            ts = round(time.time(), 6)
+            if self.log_format == "json":
+                print(json.dumps({"ts": ts, "level": level, "service": "serve", "msg": msg, **fields}), flush=True)
+                return
+            # text: a field of several lines (a log tail) goes on the lines after
+            long = {k: v for k, v in fields.items() if isinstance(v, str) and "\n" in v}
+            short = {k: v for k, v in fields.items() if k not in long}
+            after = "\n".join(f"{k}:\n{v}" for k, v in long.items())
+            print(logs.text_line(ts, level, "serve", msg, short, exc=after or None), flush=True)
 
-    def close(self) -> None:
+    def note(self, msg: str, **fields) -> None:
+        """A line for the log file only on a terminal (what serve does, not worth showing); said elsewhere."""
+        if not self.tty:
+            self.say(msg, **fields)
+            return
+        with self.lock:
+            record = {"ts": round(time.time(), 6), "level": "INFO", "service": "serve", "msg": msg, **fields}
+            self.log_file.write(self._as_written(json.dumps(record)))
+            self.log_file.flush()
+
+    def failed(self, child: Child, when: str) -> None:
+        """A child has exited `when` (e.g. "before the stack was SERVING"): what, why, its last lines."""
+        what, reason, shown = child.exit_report()
+        if not self.tty:
+            self.say(f"{what} {when}", level="ERROR", failed=child.name,
+                     exit_code=child.process.returncode, reason=reason, tail="\n".join(shown))
+            return
+        self.close(complete=False)
+        lines = [f"{what} {when}" + (f": {reason}" if reason else ""),
+                 f"last lines of its log ({self.log_file.name}):", *("  " + line for line in shown)]
+        self.say("\n".join(lines), level="ERROR")
+
+    def close(self, complete: bool = True) -> None:
+        """The bar gone (filled first when the stack came up)."""
         with self.lock:
             if self.bar is not None:
-                self.bar.update(len(LOAD_STEPS) - self.bar.n)
+                if complete:
+                    self.bar.update(len(LOAD_STEPS) - self.bar.n)
                 self.bar.close()
                 self.bar = None
 
@@ -260,14 +320,17 @@ def _connect_host(child: Child) -> str:
 
 def run(args: argparse.Namespace, routed: dict[str, list[str]],
         on_serving: Callable[[str], None] | None = None) -> int:
-    """Run the stack until a signal (0 when all three drained and exited 0) or a child's exit (1);
-    `on_serving(grpc_addr)` runs once it is SERVING (`make run` asks a sample question there)."""
+    """Run the stack until a signal (0 when all three drained and exited 0) or a child's exit (1,
+    its reason printed); `on_serving(grpc_addr)` runs once it is SERVING (`make run` asks a
+    sample question there)."""
     tty = sys.stdout.isatty()
     children = plan(args, routed)
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="tessera-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = open(log_dir / "services.log", "a", encoding="utf-8") if tty else None
-    progress = Progress(tty, log_file)
+    # auto: text for the person on a terminal (who reads the file), JSON for whatever reads a pipe
+    log_format = args.log_format if args.log_format != "auto" else "text" if tty else "json"
+    progress = Progress(tty, log_file, log_format)
     stop_signals: list[int] = []
 
     def on_signal(signum, frame):
@@ -286,8 +349,8 @@ def run(args: argparse.Namespace, routed: dict[str, list[str]],
         if tty:
             progress.say(f"service logs: {log_dir / 'services.log'}")
         for child in children:
-            progress.say(f"starting {child.name}", port=child.port,
-                         command=f"python -m {SERVICE_MODULES[child.name]}")
+            progress.note(f"starting {child.name}", port=child.port,
+                          command=f"python -m {SERVICE_MODULES[child.name]}")
             # own session: a terminal's Ctrl-C reaches serve only, which stops them in order
             child.start()
             child.reader = threading.Thread(target=_pump, args=(child, progress), daemon=True,
@@ -297,15 +360,13 @@ def run(args: argparse.Namespace, routed: dict[str, list[str]],
         host = frontend.host
         addr = frontend.addr
         while not launch.is_serving(addr):
-            dead = next((c for c in children if c.process.poll() is not None), None)
-            if dead is not None:
-                progress.close()
-                progress.say(f"{dead.name} exited with status {dead.process.returncode} before the stack was SERVING",
-                    tail="".join(dead.tail[-5:]))
+            # a service that exits while loading (a model that can never be served ends the
+            # engine) fails the start now, with its reason, not at the startup timeout
+            if _report_exits(children, progress, "before the stack was SERVING"):
                 return EXIT_FAILED
             if time.monotonic() > deadline:
-                progress.close()
-                progress.say(f"the frontend is not SERVING after {args.startup_timeout_s:g}s")
+                progress.close(complete=False)
+                progress.say(f"the frontend is not SERVING after {args.startup_timeout_s:g}s", level="ERROR")
                 return EXIT_FAILED
             time.sleep(0.25)
         progress.close()
@@ -315,13 +376,9 @@ def run(args: argparse.Namespace, routed: dict[str, list[str]],
             print(f"try: tessera generate 'Why is the sky blue?' --addr {addr}\nCtrl-C stops all three", flush=True)
         if on_serving is not None:
             on_serving(addr)
-        while True:
-            dead = next((c for c in children if c.process.poll() is not None), None)
-            if dead is not None:
-                progress.say(f"{dead.name} exited with status {dead.process.returncode}; stopping the others")
-                code = EXIT_FAILED
-                break
+        while not _report_exits(children, progress, "while serving"):
             time.sleep(0.5)
+        code = EXIT_FAILED
     except Stopping:
         pass
     finally:
@@ -342,6 +399,14 @@ def run(args: argparse.Namespace, routed: dict[str, list[str]],
             log_file.close()
     progress.say("stopped", exit_code=code)
     return code
+
+
+def _report_exits(children: list[Child], progress: Progress, when: str) -> bool:
+    """Whether a child has exited; each that has is reported (what, why, its last lines)."""
+    dead = [c for c in children if c.process.poll() is not None]
+    for child in dead:
+        progress.failed(child, when)
+    return bool(dead)
 
 
 def stop_all(children: list[Child], args: argparse.Namespace) -> list[str]:
@@ -366,7 +431,7 @@ def _pump(child: Child, progress: Progress) -> None:
     """Read a child's log lines until it closes stderr."""
     assert child.process is not None and child.process.stderr is not None
     for text in child.process.stderr:
-        child.tail = (child.tail + [text])[-20:]
+        child.tail = (child.tail + [text])[-TAIL_LINES:]
         progress.line(child.name, text)
 
 

@@ -147,7 +147,7 @@ def test_try_start_logs_an_address_that_cannot_be_bound_and_answers_none(caplog)
 
 
 def test_run_service_makes_serves_code_the_exit_status(monkeypatch):
-    args = argparse.Namespace(log_level="DEBUG", event_loop="asyncio")
+    args = argparse.Namespace(log_level="DEBUG", log_format="text", event_loop="asyncio")
     logging_set_up = []  # (the real one would take the root logger's handlers from pytest)
     monkeypatch.setattr(grpc_server, "setup_logging", lambda *a: logging_set_up.append(a))
 
@@ -155,7 +155,7 @@ def test_run_service_makes_serves_code_the_exit_status(monkeypatch):
         return code
 
     assert run_service("test", lambda a: serve(0), args) == 0
-    assert logging_set_up == [("test", "DEBUG")]
+    assert logging_set_up == [("test", "DEBUG", "text")]
     with pytest.raises(SystemExit) as info:
         run_service("test", lambda a: serve(1), args)
     assert info.value.code == 1

@@ -11,6 +11,7 @@ import os
 from typing import Any, Callable
 
 from tessera.common import aio
+from tessera.common.logs import LOG_FORMATS, log_format
 
 # Seconds in-flight requests get to finish on SIGTERM/SIGINT (--drain-timeout-s). Compose's
 # stop_grace_period and k8s' terminationGracePeriodSeconds (with the preStop sleep) exceed it.
@@ -70,6 +71,9 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int, port_en
     add_flag(parser, "--port", port_env, default_port, type=int, help="gRPC port")
     add_flag(parser, "--log-level", "TESSERA_LOG_LEVEL", "INFO", help="log level",
              choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_flag(parser, "--log-format", "TESSERA_LOG_FORMAT", "auto", type=log_format, choices=list(LOG_FORMATS),
+             help="log lines as JSON or as text (time, level, service, [request id], message, key=value "
+                  "fields); auto: text when stderr is a terminal, else JSON")
     add_flag(parser, "--event-loop", "TESSERA_EVENT_LOOP", "auto", choices=aio.EVENT_LOOPS,
              help="asyncio event loop: uvloop (less CPU per gRPC message) or the standard one; auto = uvloop if installed")
     add_flag(parser, "--drain-timeout-s", "TESSERA_DRAIN_TIMEOUT_S", DEFAULT_DRAIN_TIMEOUT_S,
@@ -79,3 +83,5 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int, port_en
                   "its former name)")
     from tessera.common.tls import add_server_tls_flags  # (tls imports this module)
     add_server_tls_flags(parser)
+    from tessera.common.tracing import add_tracing_flags  # --otlp-traces-endpoint (tracing imports this module)
+    add_tracing_flags(parser)

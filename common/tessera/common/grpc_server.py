@@ -46,7 +46,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Iterable
 
 import grpc
 
-from tessera.common import aio
+from tessera.common import aio, tracing
 from tessera.common.flags import DEFAULT_DRAIN_TIMEOUT_S
 from tessera.common.grpc_service import SERVER_OPTIONS, Health, add_reflection
 from tessera.common.logs import setup_logging
@@ -145,13 +145,21 @@ class GrpcServer:
 
 def run_service(service: str, serve: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
                 args: argparse.Namespace) -> int:
-    """The end of a service's main(), once its flags are parsed: JSON logging as `service` at
-    --log-level, `serve(args)` run to its end on the --event-loop chosen (`serve` starts a
+    """The end of a service's main(), once its flags are parsed: logging as `service` at
+    --log-level in --log-format, `serve(args)` run to its end on the --event-loop chosen (`serve` starts a
     GrpcServer, whose `start` installs the SIGTERM / SIGINT handlers, and after `wait_for_stop`
     drains with `stop`), and its exit code made the process's: a non-zero code is raised as
     SystemExit (`python -m <service>` does not pass main's return value on); 0 is returned."""
-    setup_logging(service, args.log_level)
-    code = aio.run(serve(args), args.event_loop)
+    setup_logging(service, args.log_level, args.log_format)
+    try:  # OpenTelemetry tracing when configured (a no-op otherwise); flushed at the exit
+        tracing.setup(service, getattr(args, "otlp_traces_endpoint", None))
+    except tracing.TracingConfigError as exc:
+        logging.getLogger(service).error("%s", exc)
+        raise SystemExit(2) from None
+    try:
+        code = aio.run(serve(args), args.event_loop)
+    finally:
+        tracing.shutdown()
     if code:
         raise SystemExit(code)
     return code

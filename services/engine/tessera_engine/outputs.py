@@ -84,6 +84,9 @@ class RequestTiming:
     last_token: float | None
     finished: float
     num_generation_tokens: int
+    num_steps: int = 0          # engine steps it took part in (prefill chunks, decodes)
+    num_prefill_steps: int = 0  # of those, the steps up to its first token
+    num_preemptions: int = 0
 
 
 @dataclasses.dataclass

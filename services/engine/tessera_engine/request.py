@@ -85,6 +85,11 @@ class Sample:
         self.first_scheduled_time: float | None = None  # set by the scheduler
         self.first_token_time: float | None = None      # set by Scheduler.update_from_output
         self.last_token_time: float | None = None
+        # the engine steps it took part in (prefill chunks and decodes; a trace's summary) and
+        # how often it was preempted
+        self.num_steps = 0
+        self.num_prefill_steps = 0  # the steps up to and including its first token's
+        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:

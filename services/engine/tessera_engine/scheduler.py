@@ -150,6 +150,7 @@ class Scheduler:
         if not victim.prompt_logprobs_done:
             victim.prompt_logprobs = []  # the prompt is recomputed from the start
         victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
         if victim.constraint is not None:
             victim.constraint.drop()  # rebuilt from its output when it runs again
         self._enqueue_waiting(victim)
@@ -284,6 +285,7 @@ class Scheduler:
         num_prompt_tokens = num_drafts = num_draft_tokens = num_accepted = 0
         for s in sched.scheduled:
             req = s.sample
+            req.num_steps += 1
             accepted = result.accepted.get(req.key, [])
             # with guesses, only the last known token and the accepted guesses were computed
             req.num_computed_tokens += 1 + len(accepted) if s.draft_token_ids else s.num_new_tokens
@@ -315,6 +317,7 @@ class Scheduler:
                     break
             if req.first_token_time is None:
                 req.first_token_time = now
+                req.num_prefill_steps = req.num_steps
                 num_prompt_tokens += req.num_prompt_tokens
             req.last_token_time = now
             out = make_output(req, new_tokens, now)
@@ -339,5 +342,6 @@ def make_output(req: Sample, tokens: list[int], now: float | None = None) -> Eng
         num_cached_tokens=max(req.num_cached_tokens, 0))
     if out.finish_reason is not None:
         out.timing = RequestTiming(req.queued_time, req.first_scheduled_time, req.first_token_time,
-                                   req.last_token_time, now or time.time(), req.num_output_tokens)
+                                   req.last_token_time, now or time.time(), req.num_output_tokens,
+                                   req.num_steps, req.num_prefill_steps, req.num_preemptions)
     return out

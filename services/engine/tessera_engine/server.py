@@ -20,7 +20,9 @@ turns it NOT_SERVING when the loop dies or one step runs past --step-timeout-s (
 watchdog), ends every open session with UNAVAILABLE so that no request waits forever,
 and EXIT_AFTER_FAILURE_S later stops the process with exit code 1, so that compose's
 restart policy or Kubernetes starts a fresh one. The same truth is on the metrics
-port's HTTP /health until then.
+port's HTTP /health until then. A model that fails to load ends the process as well, after
+one error line naming it and why (exit code 3: it can never be served as configured, so a
+restart will not help; tessera_engine.load_failure).
 
 Test-only fault injection (tessera_engine.fault_injection): with the environment variable
 TESSERA_ENGINE_FAULT_AFTER_STEPS=N the core loop raises instead of running step N+1;
@@ -40,7 +42,7 @@ from typing import Callable
 
 import grpc
 
-from tessera.common import tls
+from tessera.common import tls, tracing
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import GrpcServer, run_service
 from tessera.common.grpc_service import Health
@@ -49,7 +51,7 @@ from tessera.common.logs import client_request_id
 from tessera.common.metrics import add_metrics_flag
 from tessera.common.samples import OpenSamples
 from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tessera_engine import allocator, fault_injection
+from tessera_engine import allocator, fault_injection, load_failure
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore, EngineCoreLoop, RequestRejected
 from tessera_engine.lora import LoRAError
@@ -129,6 +131,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._in_flight: OpenSamples[tuple[str, str]] = OpenSamples()
         self._idle = asyncio.Event()
         self._idle.set()
+        self.traces = tracing.EngineTraces()  # traced requests in flight (empty unless tracing is on)
 
     async def load(self) -> None:
         """Load the model off the event loop, then start the core loop and report SERVING."""
@@ -217,6 +220,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 self.metrics.record_finished(o)
         for o in finished:
             self._note_finished(o.client_id, o.request_id, o.finish_reason == "error")
+            if tracing.ENABLED and self.traces:  # its spans, from the timestamps it kept
+                self.traces.finished(o)
         for client_id, outs in by_client.items():
             q = self.sessions.get(client_id)
             if q is not None:
@@ -294,6 +299,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             self.loop_runner.abort_client(client_id)
             for key in [k for k in self._in_flight if k[0] == client_id]:  # their outputs have nowhere to go
                 self._note_finished(*key, whole_request=True)
+                self.traces.discard(key[1])
             log.info("session closed", extra={"session": client_id})
 
     def _submit(self, pb: engine_pb2.EngineRequest, client_id: str, q: SessionOutbox) -> None:
@@ -315,6 +321,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             q.put_step(engine_pb2.EngineStepOutputs(outputs=[output_to_proto(out)]))
             return
         self._in_flight.add((client_id, pb.request_id), len(req.sample_indices()))
+        if tracing.ENABLED and pb.traceparent:
+            self.traces.add(pb.request_id, pb.traceparent, len(req.sample_indices()))
         self._idle.clear()
         log.debug("request added", extra={"request_id": client_request_id(pb.request_id),
                                           "engine_request_id": pb.request_id,
@@ -521,7 +529,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 async def serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; the process exit code (1: the port cannot be bound). A model
-    that fails to load leaves the engine up and NOT_SERVING (logged)."""
+    that fails to load ends the engine at once, after one error line naming the model and why:
+    exit code 3 when it can never be served as configured, 1 when a restart may load it
+    (tessera_engine.load_failure)."""
     config = config_from_args(args)
     config.validate()
     log.info("memory allocator", extra=allocator.in_use())
@@ -532,7 +542,8 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
 
     load = asyncio.create_task(servicer.load())
-    load.add_done_callback(_report_load_failure)
+    load_failures: list[load_failure.LoadFailure] = []
+    load.add_done_callback(lambda task: _on_load_done(task, config.model, load_failures, grpc_server.request_stop))
     await grpc_server.wait_for_stop()
     load.cancel()
     if servicer.watcher:
@@ -541,15 +552,26 @@ async def serve(args: argparse.Namespace) -> int:
     await grpc_server.stop(drain=(lambda: servicer.drain(args.drain_timeout_s)) if running else None)
     if servicer.loop_runner:
         servicer.loop_runner.stop()
-    code = 1 if servicer.failure else 0
+    code = load_failures[0].exit_code if load_failures else 1 if servicer.failure else 0
     log.info("stopped", extra={"exit_code": code})
     return code
 
 
-def _report_load_failure(task: asyncio.Task) -> None:
-    """A model that fails to load leaves the engine NOT_SERVING; say why."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("engine failed to load the model; health stays NOT_SERVING", exc_info=task.exception())
+def _on_load_done(task: asyncio.Task, model: str | None, failures: list[load_failure.LoadFailure],
+                  request_stop: Callable[[], None]) -> None:
+    """A model that failed to load: one error line naming it and why, then the process stops
+    (serve returns the failure's exit code). Waiting NOT_SERVING would help nobody: nothing
+    retries a load, and an exit is what compose, Kubernetes and `tessera serve` can show."""
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    failure = load_failure.classify(exc, model)
+    path = load_failure.model_path(model)
+    what = "cannot serve the model" if failure.permanent else "could not load the model (a restart may)"
+    log.error(f"{what} {path}: {failure.reason}", exc_info=exc if failure.traceback else None,
+              extra={"model": path, "exit_code": failure.exit_code})
+    failures.append(failure)
+    request_stop()
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,10 @@ OpenAI /v1/completions batch) takes one slot per prompt, all or none.
 """
 from __future__ import annotations
 
+import time
+
+from tessera.common import tracing
+
 
 class Overloaded(Exception):
     """The frontend is at its in-flight cap; the message says so for the client."""
@@ -48,8 +52,18 @@ class AdmissionController:
 
     def admit(self, count: int = 1) -> Ticket:
         """Take `count` slots or raise Overloaded (taking none)."""
+        if tracing.ENABLED:  # a span under the handler's: the slots asked for, the load, a refusal
+            self._trace(count)
         if self._in_flight + count > self.max_inflight:
             raise Overloaded(f"the server is at its limit of {self.max_inflight} requests in flight "
                              f"({self._in_flight} running); retry later")
         self._in_flight += count
         return Ticket(self, count)
+
+    def _trace(self, count: int) -> None:
+        now = time.time()
+        refused = self._in_flight + count > self.max_inflight
+        tracing.record_span("admission", now, now, attributes={
+            "tessera.admission.slots": count, "tessera.admission.in_flight": self._in_flight,
+            "tessera.admission.max_inflight": self.max_inflight, "tessera.admission.admitted": not refused},
+            error="over the in-flight cap" if refused else None)

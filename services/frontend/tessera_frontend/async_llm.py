@@ -57,6 +57,7 @@ from typing import AsyncIterator, Sequence, Union
 
 import grpc
 
+from tessera.common import tracing
 from tessera.common.request_rules import Problem, request_problem, token_ids_problem
 from tessera.v1 import common_pb2, engine_pb2, tokenizer_pb2
 from tessera_frontend import metrics
@@ -85,6 +86,13 @@ class GenerateError(StatusError):
     def of(cls, problem: Problem) -> "GenerateError":
         """The error for a request that breaks a rule of request_rules."""
         return cls(grpc.StatusCode[problem.code], str(problem))
+
+
+def _trace_usage(span, out: SampleOutput) -> None:
+    """The request's usage on its `generate` span, from the last output (tracing only)."""
+    if out.usage is not None:
+        span.set_attributes({"gen_ai.usage.input_tokens": out.usage.prompt_tokens,
+                             "gen_ai.usage.output_tokens": out.usage.completion_tokens})
 
 
 @dataclasses.dataclass
@@ -146,6 +154,8 @@ class AsyncLLM:
         info = self.tokenizer.model_info
         return info.max_model_len if info and info.max_model_len > 0 else None
 
+    @tracing.traced_stream("generate", attributes=lambda self, request_id, *a, **kw: {"gen_ai.request.id": request_id},
+                           on_item=_trace_usage)
     async def generate(self, request_id: str, prompt: Prompt, params: common_pb2.SamplingParams,
                        priority: int = 0, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                        lora_name: str = "") -> AsyncIterator[SampleOutput]:
@@ -183,13 +193,15 @@ class AsyncLLM:
                 request = engine_pb2.EngineRequest(
                     request_id=engine_id, prompt_token_ids=prompt_ids, sampling_params=params,
                     priority=priority, arrival_time=arrival, eos_token_ids=self.tokenizer.model_info.eos_token_ids,
-                    lora_name=lora_name)
+                    lora_name=lora_name, traceparent=tracing.current_traceparent())  # "" unless traced
                 try:
                     replica = self.engine.submit(request, n, more_coming=self._preparing > 0, exclude=tried)
                 except NoReplicaError as exc:
                     raise GenerateError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
                 sub = self._submissions[engine_id] = _Submission(request_id, request, replica, engine_id)
                 tried.append(replica)
+                if tracing.ENABLED and len(tried) == 1:  # arrival to an engine's queue, from timestamps
+                    tracing.record_span("queueing", arrival, time.time(), attributes={"tessera.engine": replica})
                 log.info("request submitted", extra={"request_id": request_id, "engine_request_id": engine_id,
                                                      "engine": replica, "attempt": len(tried),
                                                      "prompt_tokens": len(prompt_ids), "n": n,
@@ -253,6 +265,7 @@ class AsyncLLM:
                                     "the frontend is not ready: waiting for the tokenizer and an engine")
             await asyncio.sleep(0.05)
 
+    @tracing.traced("tokenize", kind="client")  # current while waiting: the TokenizeItem carries it
     async def _tokenize(self, request_id: str, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             request = tokenizer_pb2.TokenizeRequest(text=prompt)

@@ -23,7 +23,7 @@ import logging
 
 import grpc
 
-from tessera.common import tls
+from tessera.common import tls, tracing
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import GrpcServer, run_service
 from tessera.common.grpc_service import Health
@@ -154,9 +154,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     keys = ApiKeys(parse_api_keys(args.api_key))
     grpc_server = GrpcServer([SERVICE_NAME], log, grace_s=args.drain_timeout_s,
-                             interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else None)
-    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(FrontendServicer(llm, limits, admission, lora),
-                                                            grpc_server.server)
+                             interceptors=tracing.grpc_server_interceptors()  # [] unless tracing is on
+                             + ([ApiKeyInterceptor(keys)] if keys.enabled else []))
+    frontend_pb2_grpc.add_FrontendServiceServicer_to_server(
+        FrontendServicer(llm, limits, admission, lora, args.served_model_name), grpc_server.server)
     if await grpc_server.try_start(
             args.host, args.port, args.metrics_port, tls=server_tls, http_port=args.http_port or None,
             tokenizer=args.tokenizer_addr, engines=[str(e) for e in engine.entries],
@@ -169,6 +170,8 @@ async def serve(args: argparse.Namespace) -> int:
         app = create_app(llm, limits, admission, args.served_model_name, lora)
         if keys.enabled:
             app.add_middleware(ApiKeyMiddleware, keys=keys)  # outermost: before the body is read
+        if tracing.ENABLED:  # a span per HTTP request, a refused key's included
+            app.add_middleware(tracing.AsgiTracingMiddleware)
         http = HttpServer(app, args.host, args.http_port, grace_s=grpc_server.grace_s,
                           certfile=args.tls_cert_file if server_tls else None,
                           keyfile=args.tls_key_file if server_tls else None)

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Sequence
 
 import grpc
 
+from tessera.common import tracing
 from tessera.common.grpc_service import CLIENT_CHANNEL_OPTIONS
 from tessera.common.tls import ClientTls
 from tessera.common.tls import channel as tls_channel
@@ -398,7 +399,8 @@ class TokenizeStream(_TokenizerStream):
         self._waiting[item_id] = (future, time.monotonic())
         future.add_done_callback(lambda f: self._waiting.pop(item_id, None))  # also when the caller gives up
         self._outbox.put_nowait(tokenizer_pb2.TokenizeStreamRequest(
-            items=[tokenizer_pb2.TokenizeItem(id=item_id, request_id=request_id, request=request)]))
+            items=[tokenizer_pb2.TokenizeItem(id=item_id, request_id=request_id, request=request,
+                                              traceparent=tracing.current_traceparent())]))  # "" unless traced
         return future
 
     def _open(self, outbox: asyncio.Queue) -> grpc.aio.StreamStreamCall:

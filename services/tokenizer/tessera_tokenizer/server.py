@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 import grpc
 
-from tessera.common import tls
+from tessera.common import tls, tracing
 from tessera.common.flags import add_common_flags, add_flag
 from tessera.common.grpc_server import GrpcServer, run_service
 from tessera.common.grpc_service import request_id_from
@@ -190,7 +190,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def _stream_result(self, item: tokenizer_pb2.TokenizeItem, job: Callable) -> tokenizer_pb2.TokenizeResult:
         """Run one stream item's job; its result, or its error (the stream itself goes on)."""
         try:
-            response = job()
+            with tracing.remote_span("tokenize", item.traceparent, {"gen_ai.request.id": item.request_id}):
+                response = job()
         except InvalidInput as exc:
             return self._stream_refused(item, exc)
         except Exception as exc:  # noqa: BLE001 (a bug in one item must not end the stream)
@@ -255,7 +256,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
             def encode_chat():
                 try:
-                    return tokenizer.encode_chat(plain, generation_prompt, offsets, tools)
+                    with tracing.child_span("chat_template"):  # a traced item's template (and encode)
+                        return tokenizer.encode_chat(plain, generation_prompt, offsets, tools)
                 except ValueError as exc:
                     raise InvalidInput(f"chat: {exc}") from exc
 

@@ -57,6 +57,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 import tempfile
@@ -153,15 +154,24 @@ def run_tool(tool: str, args, flags: list[str], out_dir: pathlib.Path, name: str
     """One tool's run: its result file's figures, and its wall time."""
     cmd, env = tool_command(tool, args, flags)
     t = time.perf_counter()
+    cpu = _children_cpu_s()
     with open(log_path, "w") as logf:
         proc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=args.tool_timeout)
     wall = time.perf_counter() - t
+    cpu = _children_cpu_s() - cpu  # the tool's own CPU (the server's processes are not reaped yet)
     if proc.returncode != 0:
         raise RuntimeError(f"{tool} bench exited with {proc.returncode}; its output ({log_path}):\n"
                            + log_path.read_text(errors="replace")[-4000:])
     result = json.loads((out_dir / name).read_text())
     result["_wall_s"] = wall
+    result["_client_cpu_s"] = cpu
     return result
+
+
+def _children_cpu_s() -> float:
+    # on 2 cores a load generator's own CPU is taken from the server under test: it moves TPOT
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def schedule_diff_ms(a: dict, b: dict) -> float | None:
@@ -230,7 +240,7 @@ def main(argv=None) -> int:
 
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    keep = ("round", "_wall_s", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    keep = ("round", "_wall_s", "_client_cpu_s", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
             "request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
             "mean_tpot_ms", "median_tpot_ms", "median_itl_ms", "median_e2el_ms")
     results = {
@@ -266,6 +276,8 @@ def main(argv=None) -> int:
     print(f"{'tessera/vllm':14s}" + "".join(f"{_fmt(ratios[key]):>13s}" for key, _ in FIGURES))
     print(f"(same prompt and output tokens counted: {same_tokens}; largest send-time difference per round, ms: "
           + ", ".join(_fmt(s, ".1f") for s in schedule) + ")")
+    print("client CPU seconds per run (the load generator's own, on the server's cores): "
+          + "; ".join(f"{tool} " + ", ".join(f"{x['_client_cpu_s']:.1f}" for x in runs[tool]) for tool in TOOLS))
     print(f"results: {out} (total {results['total_s']:.0f} s)")
     print(f"crosscheck_max_rel_diff={_fmt(max_rel_diff, '.4f')}")
     return 1 if any(failed.values()) else 0

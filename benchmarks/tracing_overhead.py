@@ -89,6 +89,9 @@ class Tessera(TesseraServer):
                              bind_host=False)
         for service in stack.services:
             service.metrics_port = launch.free_port()
+            # no PR_SET_PDEATHSIG preexec: a child forked (not vforked) from this process, which runs
+            # the receiver's gRPC server, can be aborted by gRPC's fork handlers (epoll_wait EBADF)
+            service.die_with_parent = False
             service.start()
             self.procs[service.name] = service.process
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from helpers.stack import Service, free_port
 from tessera.common import logs
-from tessera.common.model_source import DEFAULT_GGUF_NAME
+from tessera.common.model_source import DEFAULT_GGUF_NAME, resolve_model
 from tessera_engine import load_failure
 from tessera_engine.load_failure import EXIT_LOAD_FAILED, EXIT_MODEL_UNSERVABLE, classify
 
@@ -23,17 +23,19 @@ EXIT_WITHIN_S = 120  # the process's start (torch's import) on a busy CI machine
 # -- which failures can never be served (in process) -----------------------------------------------
 @pytest.mark.unit
 def test_a_model_that_is_not_there_or_not_a_model_can_never_be_served(tmp_path):
-    failure = classify(FileNotFoundError(f"model not found: {tmp_path}/nope.gguf"), f"{tmp_path}/nope.gguf")
+    failure = classify(FileNotFoundError(f"model not found: {tmp_path}/nope.gguf"))
     assert failure == (EXIT_MODEL_UNSERVABLE, f"model not found: {tmp_path}/nope.gguf", False)
     assert failure.permanent
     text = tmp_path / "notes.txt"
-    text.write_text("hello")  # resolve_model says "not found" of a file that is no .gguf
-    assert classify(FileNotFoundError(f"model not found: {text}"), str(text)).reason == \
-        "not a model: neither a .gguf file nor an HF model directory (config.json)"
-    assert classify(ValueError("GGUF magic invalid"), "x.gguf").reason == "not a GGUF file (GGUF magic invalid)"
-    unsupported = classify(ValueError("model type 'gpt2' not supported (supported: ['llama'])"), "m")
+    text.write_text("hello")  # there, but no .gguf: resolve_model says what it is not
+    with pytest.raises(FileNotFoundError) as info:
+        resolve_model(str(text))
+    assert classify(info.value).reason == \
+        f"{text}: not a model: neither a .gguf file nor an HF model directory (config.json)"
+    assert classify(ValueError("GGUF magic invalid")).reason == "not a GGUF file (GGUF magic invalid)"
+    unsupported = classify(ValueError("model type 'gpt2' not supported (supported: ['llama'])"))
     assert unsupported == (EXIT_MODEL_UNSERVABLE, "model type 'gpt2' not supported (supported: ['llama'])", False)
-    denied = classify(PermissionError(errno.EACCES, "Permission denied", "/m/model.safetensors"), "/m")
+    denied = classify(PermissionError(errno.EACCES, "Permission denied", "/m/model.safetensors"))
     assert denied.exit_code == EXIT_MODEL_UNSERVABLE and denied.reason.startswith("cannot read it: ")
 
 
@@ -41,7 +43,7 @@ def test_a_model_that_is_not_there_or_not_a_model_can_never_be_served(tmp_path):
 def test_out_of_memory_at_load_can_never_be_served():
     for exc in (MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't "
                                             "allocate memory: you tried to allocate 123 bytes")):
-        failure = classify(exc, "m")
+        failure = classify(exc)
         assert failure.exit_code == EXIT_MODEL_UNSERVABLE and failure.reason.startswith("out of memory while loading")
 
 
@@ -49,11 +51,11 @@ def test_out_of_memory_at_load_can_never_be_served():
 def test_a_failure_of_the_medium_may_pass_and_an_unexplained_one_keeps_its_traceback():
     for exc in (OSError(errno.EIO, "Input/output error"), OSError(errno.ESTALE, "Stale file handle"),
                 TimeoutError("timed out"), ConnectionResetError(errno.ECONNRESET, "reset")):
-        failure = classify(exc, "m")
+        failure = classify(exc)
         assert failure.exit_code == EXIT_LOAD_FAILED and not failure.permanent and failure.traceback, exc
-    odd = classify(RuntimeError("size mismatch for model.norm.weight"), "m")
+    odd = classify(RuntimeError("size mismatch for model.norm.weight"))
     assert odd == (EXIT_MODEL_UNSERVABLE, "RuntimeError: size mismatch for model.norm.weight", True)
-    assert len(classify(ValueError("x" * 2000), "m").reason) == 500
+    assert len(classify(ValueError("x" * 2000)).reason) == 500
 
 
 @pytest.mark.unit

@@ -53,4 +53,6 @@ def resolve_model(model: str | None) -> ModelSource:
         if len(ggufs) == 1:
             return ModelSource(path.resolve(), ggufs[0].name)
         raise FileNotFoundError(f"{path}: neither an HF model directory (config.json) nor one GGUF file")
+    if path.is_file():  # there, but no model: say so rather than "not found"
+        raise FileNotFoundError(f"{path}: not a model: neither a .gguf file nor an HF model directory (config.json)")
     raise FileNotFoundError(f"model not found: {path}")

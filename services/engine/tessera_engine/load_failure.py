@@ -10,7 +10,6 @@ network file system, a timeout) ends it with EXIT_LOAD_FAILED, so that a restart
 from __future__ import annotations
 
 import errno
-import pathlib
 from typing import NamedTuple
 
 EXIT_LOAD_FAILED = 1       # the load failed for a reason that may pass: a restart may load it
@@ -54,18 +53,14 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
 
 
-def classify(exc: BaseException, model: str | None = None) -> LoadFailure:
-    """The exit code and reason for an exception raised while loading `model` (a --model value)."""
+def classify(exc: BaseException) -> LoadFailure:
+    """The exit code and reason for an exception raised while loading the model."""
     if _out_of_memory(exc):
         return LoadFailure(EXIT_MODEL_UNSERVABLE, f"out of memory while loading it ({_one_line(exc)}); give it "
                            "more memory or a smaller --kv-cache-gib / --max-model-len", False)
     if isinstance(exc, (ConnectionError, TimeoutError)) or (
             isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS):
         return LoadFailure(EXIT_LOAD_FAILED, _one_line(exc), True)
-    if isinstance(exc, FileNotFoundError) and model and pathlib.Path(model).expanduser().is_file():
-        # model_source's "model not found" for a file that exists but is not a .gguf
-        return LoadFailure(EXIT_MODEL_UNSERVABLE, "not a model: neither a .gguf file nor an HF model directory "
-                           "(config.json)", False)
     if isinstance(exc, PermissionError):
         return LoadFailure(EXIT_MODEL_UNSERVABLE, f"cannot read it: {_one_line(exc)}", False)
     if isinstance(exc, ValueError) and "GGUF magic" in str(exc):  # gguf's reader on any other file

@@ -565,7 +565,7 @@ def _on_load_done(task: asyncio.Task, model: str | None, failures: list[load_fai
     if task.cancelled() or task.exception() is None:
         return
     exc = task.exception()
-    failure = load_failure.classify(exc, model)
+    failure = load_failure.classify(exc)
     path = load_failure.model_path(model)
     what = "cannot serve the model" if failure.permanent else "could not load the model (a restart may)"
     log.error(f"{what} {path}: {failure.reason}", exc_info=exc if failure.traceback else None,

@@ -21,6 +21,7 @@ from tessera_frontend.admission import AdmissionController
 from tessera_frontend.async_llm import AsyncLLM
 from tessera_frontend.grpc_util import StatusError
 from tessera_frontend.lora import LoRARegistry
+from tessera_frontend.tokenize_api import detokenize_ids_problem
 from tessera_frontend.validation import MAX_REQUEST_ID_CHARS, Limits, chat_problem
 
 
@@ -102,10 +103,9 @@ class InfoCalls:
                          ) -> frontend_pb2.FrontendServiceDetokenizeResponse:
         await self._llm.wait_ready()
         tokenizer = self._llm.tokenizer
-        vocab = tokenizer.model_info.vocab_size or 2 ** 31
-        for i, token in enumerate(request.token_ids):  # named here: the tokenizer would not say which
-            if not 0 <= token < vocab:
-                raise _invalid(f"token_ids[{i}]", f"{token} is outside the vocabulary [0, {vocab})")
+        problem = detokenize_ids_problem("token_ids", request.token_ids, tokenizer.model_info.vocab_size)
+        if problem is not None:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT, problem.message)
         text = await _tokenizer_call(tokenizer.detokenize(list(request.token_ids),
                                                           skip_special_tokens=request.skip_special_tokens))
         return frontend_pb2.FrontendServiceDetokenizeResponse(text=text)

@@ -17,7 +17,7 @@ as a generation request.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Awaitable, Optional, TypeVar
+from typing import TYPE_CHECKING, Awaitable, NamedTuple, Optional, Sequence, TypeVar
 
 import grpc
 from fastapi import FastAPI
@@ -105,13 +105,28 @@ async def detokenize_tokens(api: OpenAIApi, body: DetokenizeRequest) -> dict:
     await _call(llm.wait_ready(), param=None)
     # Checked here so that the message names the entry (the tokenizer would refuse it too), and
     # so that an id past int32 is a 400 rather than a failure to build the gRPC request.
-    vocab = llm.tokenizer.model_info.vocab_size or 2 ** 31
-    for i, token in enumerate(body.tokens):
-        if not 0 <= token < vocab:
-            raise ApiError(400, f"tokens[{i}]: {token} is outside the vocabulary [0, {vocab})",
-                           param=f"tokens[{i}]")
+    problem = detokenize_ids_problem("tokens", body.tokens, llm.tokenizer.model_info.vocab_size)
+    if problem is not None:
+        raise ApiError(400, problem.message, param=problem.param)
     text = await _call(llm.tokenizer.detokenize(body.tokens, skip_special_tokens=False), "tokens")
     return {"prompt": text}
+
+
+class IdProblem(NamedTuple):
+    param: str    # the entry, e.g. "tokens[3]"
+    message: str  # "<param>: <id> is outside the vocabulary [0, V)"
+
+
+def detokenize_ids_problem(field: str, ids: Sequence[int], vocab_size: int) -> IdProblem | None:
+    """The first id to detokenize outside the vocabulary [0, vocab_size) (not known: [0, 2^31)),
+    named by its entry: checked before the tokenizer (which would not say which) for /detokenize
+    and gRPC Detokenize alike, so that an id past int32 is refused rather than failing to build
+    the gRPC request."""
+    vocab = vocab_size or 2 ** 31
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            return IdProblem(f"{field}[{i}]", f"{field}[{i}]: {token} is outside the vocabulary [0, {vocab})")
+    return None
 
 
 def tokenize_request(body: TokenizeRequest) -> tokenizer_pb2.TokenizeRequest:

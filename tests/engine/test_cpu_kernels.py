@@ -121,10 +121,10 @@ def test_kernel_attention_with_a_sliding_window_matches_torch_attention(dtype, k
         q_start += end - start
     q = torch.randn(q_start, heads, d).to(dtype)
     outs = []
-    for backend in (CpuKernelAttention(kernels, bs, kv_heads, dtype, torch.device("cpu"), window),
-                    TorchAttention(bs, kv_heads, dtype, torch.device("cpu"), window)):
+    for backend in (CpuKernelAttention(kernels, bs, kv_heads, dtype, torch.device("cpu")),
+                    TorchAttention(bs, kv_heads, dtype, torch.device("cpu"))):
         meta = backend.build_metadata(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
-                                      decodes, chunks)
+                                      decodes, chunks, window)
         outs.append(backend.forward(layer, q, k_cache, v_cache, meta).float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)

@@ -42,16 +42,16 @@ def test_allocate_refuses_without_side_effects():
 def test_prefix_cache_reuses_full_blocks_and_leaves_one_token():
     kv = KVCacheManager(num_blocks=20, block_size=4)
     a = make_req("a", 12)
-    assert kv.find_cached_prefix(a) == PrefixHit([], 0)
+    assert kv.find_cached_prefix(a) == PrefixHit(([],), 0)
     assert kv.allocate(a, 12)
     # same first 12 tokens plus more: 3 cached blocks
     b = make_req("b", 15)
     hit = kv.find_cached_prefix(b)
-    assert hit == PrefixHit(kv.block_table(a), 12)
+    assert hit == PrefixHit((kv.block_table(a),), 12)
     # identical 12-token prompt: 2 whole blocks and 3 tokens of the third (copied), since
     # one token must be computed
     c = make_req("c", 12)
-    assert kv.find_cached_prefix(c) == PrefixHit(kv.block_table(a)[:2], 11, kv.block_table(a)[2], 3)
+    assert kv.find_cached_prefix(c) == PrefixHit((kv.block_table(a)[:2],), 11, kv.block_table(a)[2], 3)
     # a different first block breaks the chain even if later tokens agree
     d = make_req("d", 12, start=1)
     assert kv.find_cached_prefix(d).num_tokens == 0
@@ -62,9 +62,9 @@ def test_prompt_logprobs_request_reads_no_cached_prefix():
     (its blocks are still cached for the others)."""
     kv = KVCacheManager(num_blocks=20, block_size=4)
     a = make_req("a", 12, prompt_logprobs=1)
-    assert kv.find_cached_prefix(a) == PrefixHit([], 0)
+    assert kv.find_cached_prefix(a) == PrefixHit(([],), 0)
     assert kv.allocate(a, 12)
-    assert kv.find_cached_prefix(make_req("b", 13, prompt_logprobs=1)) == PrefixHit([], 0)
+    assert kv.find_cached_prefix(make_req("b", 13, prompt_logprobs=1)) == PrefixHit(([],), 0)
     assert kv.find_cached_prefix(make_req("c", 13)).num_tokens == 12
 
 
@@ -85,7 +85,7 @@ def test_shared_blocks_are_refcounted_and_cached_blocks_evicted_lru():
     assert kv.find_cached_prefix(make_req("c", 9)).num_tokens == 8
     big = make_req("big", 24, start=100)
     assert kv.allocate(big, 24)  # takes every block, evicting the cache
-    assert kv.find_cached_prefix(make_req("c2", 9)) == PrefixHit([], 0)
+    assert kv.find_cached_prefix(make_req("c2", 9)) == PrefixHit(([],), 0)
 
 
 def test_partial_block_hit_copies_the_shared_start_of_the_next_block():
@@ -97,7 +97,7 @@ def test_partial_block_hit_copies_the_shared_start_of_the_next_block():
     src = kv.block_table(a)[2]
     b = Sample(EngineCoreRequest("b", list(range(10)) + [50, 51, 52], SamplingParams()), 0, [2])
     hit = kv.find_cached_prefix(b)
-    assert hit == PrefixHit(kv.block_table(a)[:2], 10, src, 2)
+    assert hit == PrefixHit((kv.block_table(a)[:2],), 10, src, 2)
     assert kv.allocate(b, 13 - 10, hit)
     table = kv.block_table(b)
     assert table[:2] == kv.block_table(a)[:2] and table[2] not in kv.block_table(a) and len(table) == 4
@@ -107,7 +107,7 @@ def test_partial_block_hit_copies_the_shared_start_of_the_next_block():
     assert kv.find_cached_prefix(c).copy_tokens == 1
     # no match past the first block boundary's tokens: nothing to copy
     d = Sample(EngineCoreRequest("d", list(range(8)) + [70, 71], SamplingParams()), 0, [2])
-    assert kv.find_cached_prefix(d) == PrefixHit(kv.block_table(a)[:2], 8)
+    assert kv.find_cached_prefix(d) == PrefixHit((kv.block_table(a)[:2],), 8)
 
 
 def test_partial_hit_never_reads_a_block_copied_into_in_the_same_step():

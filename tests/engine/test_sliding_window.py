@@ -10,7 +10,7 @@ import torch
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore
 from tessera_engine.kv_cache import FREED_BLOCK, KVCacheManager
-from tessera_engine.models.llama import sliding_window
+from tessera_engine.models.llama import attention_windows
 from tessera_engine.models.loader import load_model
 from tessera_engine.request import EngineCoreRequest, Sample
 from tessera_engine.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ def run_chunks(kv: KVCacheManager, req: Sample, chunk: int) -> None:
 
 # -- KV cache bookkeeping (block size 4, window 6: a token sees itself and the 5 before) --------
 def test_blocks_the_window_has_left_behind_are_freed_while_the_request_runs():
-    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=10, block_size=4, windows=[6])
     r = make_req("a", list(range(30)))
     assert kv.allocate(r, 8)
     r.num_computed_tokens = 8
@@ -55,14 +55,14 @@ def test_blocks_the_window_has_left_behind_are_freed_while_the_request_runs():
 
 
 def test_a_long_request_runs_in_a_pool_smaller_than_its_context():
-    kv = KVCacheManager(num_blocks=4, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=4, block_size=4, windows=[6])
     r = make_req("a", list(range(100)))
     run_chunks(kv, r, 4)
     assert len(kv.block_table(r)) == 25 and sum(b != F for b in kv.block_table(r)) <= 3
 
 
 def test_a_prefix_hit_needs_only_the_blocks_the_window_reaches():
-    kv = KVCacheManager(num_blocks=20, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=20, block_size=4, windows=[6])
     prompt = list(range(100, 124))  # 6 full blocks
     a = make_req("a", prompt)
     run_chunks(kv, a, 8)
@@ -70,20 +70,20 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_reaches():
     # evict the chain's first blocks: a later request that takes free blocks takes them first
     hashes = kv.req_blocks.get(a.key)
     assert hashes is None
-    first_two = [kv.cached[h] for h in kv._block_hashes(make_req("probe", prompt), 24)[:2]]
+    first_two = [kv.cached[0][h] for h in kv._block_hashes(make_req("probe", prompt), 24)[:2]]
     for b in first_two:
         kv.free_queue.move_to_end(b, last=False)
     other = make_req("other", list(range(500, 508)))
     assert kv.allocate(other, 8)  # two fresh blocks: the evicted first two
     b = make_req("b", prompt + [7, 8, 9, 10])
     hit = kv.find_cached_prefix(b)
-    blocks, n = hit.block_ids, hit.num_tokens
+    blocks, n = hit.block_ids[0], hit.num_tokens
     # position 24's window starts at 19 (block 4): blocks 4 and 5 are enough
     assert n == 24 and blocks[:4] == [F] * 4 and F not in blocks[4:] and len(blocks) == 6
     assert kv.allocate(b, b.num_tokens - n, hit)
     b.num_computed_tokens = b.num_tokens
     # nothing was published under a FREED_BLOCK entry (Python's index -1 is the pool's last block)
-    assert all(kv.blocks[bid].block_hash == h for h, bid in kv.cached.items())
+    assert all(kv.blocks[bid].block_hash == h for h, bid in kv.cached[0].items())
     kv.free(b)
     kv.free(other)
     assert kv.num_free_blocks == 20
@@ -93,37 +93,39 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_reaches():
     run_chunks(plain, a2, 8)
     plain.free(a2)
     for h in plain._block_hashes(make_req("probe", prompt), 24)[:1]:
-        plain.free_queue.move_to_end(plain.cached[h], last=False)
+        plain.free_queue.move_to_end(plain.cached[0][h], last=False)
     assert plain.allocate(make_req("o", list(range(500, 504))), 4)
     assert plain.find_cached_prefix(make_req("b2", prompt + [7]))[1] == 0
 
 
 def test_a_gap_inside_the_window_shortens_the_hit():
-    kv = KVCacheManager(num_blocks=20, block_size=4, sliding_window=6)
+    kv = KVCacheManager(num_blocks=20, block_size=4, windows=[6])
     prompt = list(range(200, 224))
     a = make_req("a", prompt)
     run_chunks(kv, a, 24)
     kv.free(a)
-    block5 = kv.cached[kv._block_hashes(make_req("probe", prompt), 24)[5]]
+    block5 = kv.cached[0][kv._block_hashes(make_req("probe", prompt), 24)[5]]
     kv.free_queue.move_to_end(block5, last=False)
     assert kv.allocate(make_req("o", [1, 2, 3]), 3)  # evicts block 5 only
-    blocks, n = kv.find_cached_prefix(make_req("b", prompt + [1, 2]))[:2]
+    hit = kv.find_cached_prefix(make_req("b", prompt + [1, 2]))
+    blocks, n = hit.block_ids[0], hit.num_tokens
     # 24 tokens would need block 5; 20 need blocks 3 and 4 (position 20 sees 15..20)
     assert n == 20 and blocks[:3] == [F] * 3 and len(blocks) == 5
 
 
-def test_which_configs_have_one_window():
+def test_which_layers_of_which_configs_have_a_window():
     import transformers as tf
 
-    assert sliding_window(tf.MistralConfig(sliding_window=64)) == 64
-    assert sliding_window(tf.MistralConfig(sliding_window=None)) is None
-    assert sliding_window(tf.LlamaConfig()) is None
-    assert sliding_window(tf.Qwen2Config(use_sliding_window=False, sliding_window=64)) is None
-    assert sliding_window(tf.Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
-                                         max_window_layers=0)) == 64
-    with pytest.raises(ValueError, match="some layers only"):
-        sliding_window(tf.Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
-                                      max_window_layers=2))
+    assert attention_windows(tf.MistralConfig(sliding_window=64, num_hidden_layers=2)) == [64, 64]
+    assert attention_windows(tf.MistralConfig(sliding_window=None, num_hidden_layers=2)) == [None, None]
+    assert attention_windows(tf.LlamaConfig(num_hidden_layers=2)) == [None, None]
+    assert attention_windows(tf.Qwen2Config(use_sliding_window=False, sliding_window=64,
+                                            num_hidden_layers=2)) == [None, None]
+    assert attention_windows(tf.Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
+                                            max_window_layers=0)) == [64] * 4
+    # a window on some layers only: their own KV cache group (kv_layout.py)
+    assert attention_windows(tf.Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
+                                            max_window_layers=2)) == [None, None, 64, 64]
 
 
 # -- the engine against HF past the window -----------------------------------------------------
@@ -161,7 +163,7 @@ def test_greedy_past_the_window_matches_hf(mistral, cpu_kernels, budget):
     assert loaded.max_model_len == 256  # no longer capped to the window
     core = EngineCore(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, cpu_kernels=cpu_kernels,
                                    max_num_batched_tokens=budget), loaded=loaded)
-    assert core.kv_cache.window == WINDOW
+    assert core.kv_cache.windows == [WINDOW]
     n = 40
     for i, p in enumerate(PROMPTS):
         core.add_request(EngineCoreRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=n,

@@ -83,11 +83,13 @@ class TorchDecodeMetadata:
 class KernelDecodeMetadata:
     block_tables: torch.Tensor   # [D, max blocks] int64, padded with block 0
     context_lens: torch.Tensor   # [D] int64
+    window: int = 0              # the sliding window the kernel applies (0: none)
 
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    """What every layer's attention needs for one step, built once by the backend."""
+    """What the attention of every layer of one KV cache group (kv_layout.py) needs for one
+    step, built once per group by the backend."""
     slot_mapping: torch.Tensor   # [T] where each new token's K/V is written
     positions: torch.Tensor      # [T] int64
     num_decodes: int
@@ -96,6 +98,7 @@ class AttentionMetadata:
     # cache slots copied (src, dst) after the step's K/V is written, before attention reads
     # (partial prefix-cache hits; a source block may be filled by this very step)
     copy_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    window: int | None = None  # each token attends its last `window` positions (itself included)
 
 
 def copy_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -110,11 +113,9 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, block_size: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device,
-                 sliding_window: int | None = None) -> None:
+    def __init__(self, block_size: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
-        self.window = sliding_window  # each token attends its last `window` positions (itself included)
         self.dtype = dtype
         self.device = device
         self._arange_bs = torch.arange(block_size, device=device)
@@ -122,12 +123,14 @@ class TorchAttention:
 
     # -- metadata, once per step -------------------------------------------------
     def build_metadata(self, slot_mapping: torch.Tensor, positions: torch.Tensor,
-                       decodes: list[DecodeEntry], chunks: list[PrefillChunk]) -> AttentionMetadata:
+                       decodes: list[DecodeEntry], chunks: list[PrefillChunk],
+                       window: int | None = None) -> AttentionMetadata:
+        """window: the group's sliding window (None: full attention)."""
         return AttentionMetadata(slot_mapping, positions, len(decodes),
-                                 self._decode_metadata(decodes) if decodes else None,
-                                 self._group_prefills(chunks))
+                                 self._decode_metadata(decodes, window) if decodes else None,
+                                 self._group_prefills(chunks, window), window=window)
 
-    def _decode_metadata(self, decodes: list[DecodeEntry]):
+    def _decode_metadata(self, decodes: list[DecodeEntry], window: int | None):
         bs, dev = self.block_size, self.device
         max_blocks = -(-max(d.context_len for d in decodes) // bs)
         L = max_blocks * bs
@@ -135,8 +138,8 @@ class TorchAttention:
         lens = torch.tensor([d.context_len for d in decodes], device=dev)
         ar = torch.arange(L, device=dev).unsqueeze(0)
         valid = ar < lens.unsqueeze(1)
-        if self.window:
-            valid &= ar >= lens.unsqueeze(1) - self.window
+        if window:
+            valid &= ar >= lens.unsqueeze(1) - window
         return TorchDecodeMetadata(rows, self._bias(valid, torch.float32).view(len(decodes), 1, 1, L), L)
 
     def _bias(self, valid: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -152,13 +155,11 @@ class TorchAttention:
         bs = self.block_size
         rows = [t[:num_blocks] + [0] * (num_blocks - len(t)) if len(t) < num_blocks else t[:num_blocks]
                 for t in tables]
-        tab = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if self.window:
-            tab.clamp_(min=0)
+        tab = torch.tensor(rows, dtype=torch.long, device=self.device).clamp_(min=0)
         slots = (tab.unsqueeze(2) * bs + self._arange_bs).view(len(tables), 1, num_blocks * bs)
         return (slots * self.num_kv_heads + self._arange_kvh).view(-1)
 
-    def _group_prefills(self, chunks: list[PrefillChunk]) -> list[PrefillGroup]:
+    def _group_prefills(self, chunks: list[PrefillChunk], window: int | None) -> list[PrefillGroup]:
         """Pad prefill chunks of similar context length into groups attended by one SDPA call.
 
         Chunks are sorted by context length and a group grows while padding stays
@@ -177,9 +178,9 @@ class TorchAttention:
             cur.append(c)
             total += c.end
         groups.append(cur)
-        return [self._prefill_group_metadata(grp) for grp in groups]
+        return [self._prefill_group_metadata(grp, window) for grp in groups]
 
-    def _prefill_group_metadata(self, grp: list[PrefillChunk]) -> PrefillGroup:
+    def _prefill_group_metadata(self, grp: list[PrefillChunk], window: int | None) -> PrefillGroup:
         dev, bs = self.device, self.block_size
         N = len(grp)
         q_lens = [c.end - c.start for c in grp]
@@ -187,7 +188,7 @@ class TorchAttention:
         num_blocks = -(-max(c.end for c in grp) // bs)
         Lk = num_blocks * bs
         kv_rows = self._table_rows([c.block_table for c in grp], num_blocks)
-        if N == 1 and grp[0].start == 0 and (not self.window or grp[0].end <= self.window):
+        if N == 1 and grp[0].start == 0 and (not window or grp[0].end <= window):
             # one chunk, nothing cached before it, no window to apply: plain causal
             q0, end = grp[0].q_start, grp[0].end
             rows = torch.arange(q0, q0 + end, device=dev)
@@ -205,8 +206,8 @@ class TorchAttention:
         kpos = torch.arange(Lk, device=dev).view(1, 1, Lk)
         qpos = starts + torch.arange(Lq, device=dev).view(1, Lq, 1)         # [N, Lq, 1]
         allowed = (kpos <= qpos) & (kpos < ends)                             # [N, Lq, Lk]
-        if self.window:
-            allowed &= kpos > qpos - self.window
+        if window:
+            allowed &= kpos > qpos - window
         return PrefillGroup(q_gather, kv_rows, valid, out_rows, self._bias(allowed).unsqueeze(1), N, Lq, Lk)
 
     # -- per layer ----------------------------------------------------------------
@@ -278,12 +279,13 @@ class CpuKernelAttention(TorchAttention):
     name = "cpu_kernels"
 
     def __init__(self, kernels, block_size: int, num_kv_heads: int, dtype: torch.dtype,
-                 device: torch.device, sliding_window: int | None = None) -> None:
-        super().__init__(block_size, num_kv_heads, dtype, device, sliding_window)
+                 device: torch.device) -> None:
+        super().__init__(block_size, num_kv_heads, dtype, device)
         self.kernels = kernels
 
     def build_metadata(self, slot_mapping: torch.Tensor, positions: torch.Tensor,
-                       decodes: list[DecodeEntry], chunks: list[PrefillChunk]) -> AttentionMetadata:
+                       decodes: list[DecodeEntry], chunks: list[PrefillChunk],
+                       window: int | None = None) -> AttentionMetadata:
         """Every token of the step, prefill chunks' too, attends as a decode of its own position.
 
         The decode kernel reads each query row's context straight from the cache blocks, so a
@@ -295,7 +297,8 @@ class CpuKernelAttention(TorchAttention):
         # With a sliding window, each table starts at the block of the first position any of its
         # rows attends (the blocks before it may be freed) and positions count from there; the
         # kernel applies the window itself.
-        firsts = [self._first_block(d.context_len) for d in decodes] + [self._first_block(c.start + 1) for c in chunks]
+        firsts = ([self._first_block(d.context_len, window) for d in decodes]
+                  + [self._first_block(c.start + 1, window) for c in chunks])
         ends = [-(-d.context_len // bs) for d in decodes] + [-(-c.end // bs) for c in chunks]
         tables = [e.block_table[f:n] for e, f, n in zip(decodes + chunks, firsts, ends)]
         max_blocks = max(map(len, tables))
@@ -306,11 +309,12 @@ class CpuKernelAttention(TorchAttention):
             table_rows = table_rows.repeat_interleave(repeats, dim=0)
             lens = torch.cat([lens] + [torch.arange(c.start + 1 - f * bs, c.end + 1 - f * bs, dtype=torch.long)
                                        for c, f in zip(chunks, firsts[len(decodes):])])
-        return AttentionMetadata(slot_mapping, positions, lens.numel(), KernelDecodeMetadata(table_rows, lens), [])
+        return AttentionMetadata(slot_mapping, positions, lens.numel(),
+                                 KernelDecodeMetadata(table_rows, lens, window or 0), [], window=window)
 
-    def _first_block(self, context_len: int) -> int:
+    def _first_block(self, context_len: int, window: int | None) -> int:
         """The block holding the first position a row with this context length attends."""
-        return max(0, context_len - self.window) // self.block_size if self.window else 0
+        return max(0, context_len - window) // self.block_size if window else 0
 
     def rotary_tables(self, rotary, dtype: torch.dtype, positions: torch.Tensor):
         """The whole tables: the fused kernel indexes them by position itself."""
@@ -325,7 +329,7 @@ class CpuKernelAttention(TorchAttention):
 
     def _decode(self, layer, q, k_cache, v_cache, dm: KernelDecodeMetadata) -> torch.Tensor:
         return self.kernels.decode_attention(q, k_cache, v_cache, dm.block_tables, dm.context_lens,
-                                             layer.scale, self.block_size, self.window or 0)
+                                             layer.scale, self.block_size, dm.window)
 
 
 class PagedAttention:

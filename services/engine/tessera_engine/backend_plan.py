@@ -126,10 +126,11 @@ class BackendPlan:
     def attention_name(self) -> str:
         return CpuKernelAttention.name if self.kernels is not None else TorchAttention.name
 
-    def attention(self, block_size: int, num_kv_heads: int, sliding_window: int | None) -> TorchAttention:
+    def attention(self, block_size: int, num_kv_heads: int) -> TorchAttention:
+        """The attention backend (each KV cache group's window goes in its step metadata)."""
         if self.kernels is None:
-            return TorchAttention(block_size, num_kv_heads, self.dtype, self.device, sliding_window)
-        return CpuKernelAttention(self.kernels, block_size, num_kv_heads, self.dtype, self.device, sliding_window)
+            return TorchAttention(block_size, num_kv_heads, self.dtype, self.device)
+        return CpuKernelAttention(self.kernels, block_size, num_kv_heads, self.dtype, self.device)
 
     def describe(self) -> dict:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),

@@ -68,7 +68,7 @@ class EngineCore:
         eos = getattr(self.executor.hf_config, "eos_token_id", None)
         self.default_eos = [eos] if isinstance(eos, int) else list(eos or [])
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
-                                       config.enable_prefix_caching, self.executor.model.sliding_window)
+                                       config.enable_prefix_caching, self.executor.kv_layout.windows)
         speculative = SpeculativeConfig.parse(config.speculative_config)
         proposer = None
         if speculative is not None:
@@ -152,13 +152,9 @@ class EngineCore:
             raise RequestRejected(exc.code, str(exc)) from None
 
     def _blocks_needed(self, num_tokens: int) -> int:
-        """The most blocks a request of num_tokens tokens holds at once: all of them, or with a
-        sliding window, the window behind a step's chunk plus the chunk."""
-        bs = self.config.block_size
-        window = self.kv_cache.window
-        if window:
-            num_tokens = min(num_tokens, window + self.scheduler.token_budget + 2 * bs)
-        return -(-num_tokens // bs)
+        """The most blocks (pages, counted per group as the pool counts them) a request of
+        num_tokens tokens holds at once (KVCacheManager.blocks_needed)."""
+        return self.kv_cache.blocks_needed(num_tokens, min(num_tokens, self.scheduler.token_budget))
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.check_request(req)

@@ -24,6 +24,7 @@ import logging
 import torch
 
 from tessera_engine.backend_plan import ALL_ROWS, BackendPlan, prepare_weights
+from tessera_engine.kv_layout import plan_kv_layout
 from tessera_engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from tessera_engine.models.loader import load_model
 from tessera_engine.outputs import ScheduledSample
@@ -55,6 +56,10 @@ class DraftModelProposer:
                              f"{loaded.hf_config.vocab_size} tokens, the target's has {target_hf_config.vocab_size}: "
                              f"a draft model must share the target's tokenizer")
         model = loaded.model
+        if plan_kv_layout(model.attention_windows).hybrid:
+            raise ValueError(f"--speculative-config: the draft model {config.model!r} mixes sliding-window and "
+                             "full-attention layers; a draft model's layers must all attend alike (its one "
+                             "block table per sample serves a single KV cache group)")
         # the draft's guesses never reach the output, only how many are accepted: its quantized
         # layers (if any) take their quantized matmul at every batch size, and need no dense copy
         rows = ALL_ROWS if plan.keep_quantized and model.has_quantized() else 0
@@ -131,7 +136,7 @@ class DraftModelProposer:
             return {}
         guesses: dict[SampleKey, list[int]] = {key: [] for key, *_ in work}
         # 1. catch up: each sample's unseen tokens as one chunk; the first guess from its last row
-        scheduled = [ScheduledSample(_Tokens(tokens), len(tokens) - start, start, state.blocks)
+        scheduled = [ScheduledSample(_Tokens(tokens), len(tokens) - start, start, (state.blocks,))
                      for _, state, tokens, _, start in work]
         firsts = self._greedy_last_rows(scheduled)
         for (key, state, tokens, k, _), tok in zip(work, firsts):
@@ -143,7 +148,7 @@ class DraftModelProposer:
             scheduled = []
             for key, state, tokens, _, _ in live:
                 seq = state.tokens + [guesses[key][-1]]
-                scheduled.append(ScheduledSample(_Tokens(seq), 1, len(seq) - 1, state.blocks))
+                scheduled.append(ScheduledSample(_Tokens(seq), 1, len(seq) - 1, (state.blocks,)))
             for (key, state, _, _, _), s, tok in zip(live, scheduled, self._greedy_last_rows(scheduled)):
                 state.tokens = s.sample.all_token_ids  # the guess's K/V is now in the cache too
                 guesses[key].append(tok)
@@ -152,8 +157,8 @@ class DraftModelProposer:
 
     def _greedy_last_rows(self, scheduled: list[ScheduledSample]) -> list[int]:
         """One forward pass over these chunks; the argmax of each chunk's last row, in order."""
-        ordered, input_ids, positions, meta = self.runner._prepare(scheduled)
-        hidden = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
+        ordered, input_ids, positions, metas = self.runner._prepare(scheduled)
+        hidden = self.runner.model(input_ids, positions, self.runner.kv_caches, metas)
         ends, offset = {}, 0
         for s in ordered:
             offset += s.num_new_tokens

@@ -10,6 +10,7 @@ import torch
 
 from tessera_engine.backend_plan import plan_backends
 from tessera_engine.config import EngineConfig
+from tessera_engine.kv_layout import plan_kv_layout
 from tessera_engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from tessera_engine.models.loader import LoadedModel
 from tessera_engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -44,6 +45,7 @@ class UniProcExecutor:
         self.model, self.hf_config, self.model_name, self.max_model_len = loaded
         if config.max_model_len:  # a shared model may allow more than this engine is configured for
             self.max_model_len = min(config.max_model_len, self.max_model_len)
+        self.kv_layout = plan_kv_layout(self.model.attention_windows)  # the KV cache groups
         self.num_blocks = self._num_blocks(config)
         self.lora = None
         if config.lora_enabled:
@@ -52,16 +54,16 @@ class UniProcExecutor:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.plan.ops, self.device,
                                     self.dtype)
         self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size, self.plan,
-                                  self.lora)
+                                  self.lora, self.kv_layout)
         self.runner.sampler.seed(config.seed)
         return_freed_memory()
         log.info("kv cache allocated", extra={"num_blocks": self.num_blocks, "block_size": config.block_size,
-                                              "rss_mib": rss_mib()})
+                                              "kv_groups": len(self.kv_layout.groups), "rss_mib": rss_mib()})
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks:
             return config.num_kv_blocks
-        per_block = kv_cache_bytes_per_block(self.hf_config, config.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.hf_config, config.block_size, self.dtype, self.kv_layout.tensors)
         if self.device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(self.device)
             budget = free * config.gpu_memory_utilization

@@ -1,8 +1,9 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass over a flat batch and samples.
 
-It owns the KV cache tensors. Per step it builds the flat token batch
-(single-token decodes first, then prefill chunks), their positions and cache
-slots from the block tables, runs the model once, computes logits only where
+It owns the KV cache tensors: the pool's pages as kv_layout.KVLayout lays them out (layer j
+of each KV cache group in pool tensor j). Per step it builds the flat token batch
+(single-token decodes first, then prefill chunks), their positions, and each group's cache
+slots and attention metadata from that group's block tables, runs the model once, computes logits only where
 they are needed (the last token of each request that samples, plus prompt
 positions when prompt logprobs were asked for) and samples.
 """
@@ -18,6 +19,7 @@ import torch
 from tessera_engine.attention import DecodeEntry, PrefillChunk
 from tessera_engine.backend_plan import BackendPlan
 from tessera_engine.kv_cache import KVCopy
+from tessera_engine.kv_layout import KVLayout, plan_kv_layout
 from tessera_engine.outputs import ModelRunnerOutput, ScheduledSample, SchedulerOutput, TokenLogprobs
 from tessera_engine.request import SampleKey
 from tessera_engine.sampler import Sampler, compute_logprobs
@@ -25,9 +27,11 @@ from tessera_engine.sampler import Sampler, compute_logprobs
 log = logging.getLogger(__name__)
 
 
-def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+    """Bytes of one block of the pool: `layers` layers' K and V of block_size tokens (default:
+    every layer, a model of one KV cache group; KVLayout.tensors otherwise)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+    per_token = 2 * (layers or hf_config.num_hidden_layers) * hf_config.num_key_value_heads * head_dim
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
@@ -46,8 +50,10 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 
 class ModelRunner:
-    def __init__(self, model, hf_config, num_blocks: int, block_size: int, plan: BackendPlan, lora=None) -> None:
-        """lora: the engine's LoRAManager (lora.py), whose layers the model already holds; None: no adapters."""
+    def __init__(self, model, hf_config, num_blocks: int, block_size: int, plan: BackendPlan, lora=None,
+                 layout: KVLayout | None = None) -> None:
+        """lora: the engine's LoRAManager (lora.py), whose layers the model already holds; None: no
+        adapters. layout: the model's KV cache groups (default: plan_kv_layout of its layers' windows)."""
         self.model = model
         self.lora = lora
         self.device = device = plan.device
@@ -55,15 +61,17 @@ class ModelRunner:
         self.dtype = plan.dtype
         self.vocab_size = hf_config.vocab_size
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.layout = layout = layout or plan_kv_layout(model.attention_windows)
         shape = (num_blocks * block_size, hf_config.num_key_value_heads, head_dim)
-        self.kv_caches = [(zeroed_pool(shape, plan.dtype, device), zeroed_pool(shape, plan.dtype, device))
-                          for _ in range(hf_config.num_hidden_layers)]
-        self.attention = plan.attention(block_size, hf_config.num_key_value_heads, model.sliding_window)
+        pool = [(zeroed_pool(shape, plan.dtype, device), zeroed_pool(shape, plan.dtype, device))
+                for _ in range(layout.tensors)]
+        self.kv_caches = [pool[t] for t in layout.layer_tensor]  # each layer's (k, v)
+        self.attention = plan.attention(block_size, hf_config.num_key_value_heads)
         self.ops = plan.ops
         paths = model.use_backend(self.attention, self.ops, plan.quantized_max_rows)
         log.info("linear layers", extra={"paths": paths, "dense_matmul": plan.dense_matmul,
                                          "quantized_max_rows": plan.quantized_max_rows if set(paths) - {"dense"} else 0,
-                                         "sliding_window": model.sliding_window})
+                                         "kv_groups": [(g.window, len(g.layers)) for g in layout.groups]})
         self.sampler = Sampler(self.vocab_size, device, self.ops)
         self._arange_bs = torch.arange(block_size, device=device)
 
@@ -76,49 +84,69 @@ class ModelRunner:
         return slots[start - first * bs:end - first * bs]
 
     def _prepare(self, scheduled: list[ScheduledSample], kv_copies: list[KVCopy] = ()):
-        """The step's flat batch (decodes first, then prefill chunks) and its attention metadata."""
+        """The step's flat batch (decodes first, then prefill chunks) and each layer's attention
+        metadata (one object per KV cache group)."""
         bs = self.block_size
         dev = self.device
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ids: list[int] = []
         pos: list[int] = []
-        decode_slots: list[int] = []
         for s in decodes:
-            p = s.start
-            ids.append(s.sample.all_token_ids[p])
-            pos.append(p)
-            decode_slots.append(s.block_table[p // bs] * bs + p % bs)
-        slot_parts = [torch.tensor(decode_slots, dtype=torch.long, device=dev)]
-        chunks: list[PrefillChunk] = []
-        q_start = len(decodes)
+            ids.append(s.sample.all_token_ids[s.start])
+            pos.append(s.start)
         for s in prefills:
             start, end = s.start, s.start + s.num_new_tokens
             ids.extend(s.sample.all_token_ids[start:end])
             ids.extend(s.draft_token_ids)  # speculating: the guesses after the last known token
             pos.extend(range(start, end))
-            slot_parts.append(self._slots(s.block_table, start, end))
-            chunks.append(PrefillChunk(q_start, start, end, s.block_table))
-            q_start += s.num_new_tokens
-        slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        meta = self.attention.build_metadata(
-            slot_mapping, positions, [DecodeEntry(s.block_table, s.start + 1) for s in decodes], chunks)
-        if kv_copies:
+        group_metas = [self._group_metadata(g, group.window, decodes, prefills, positions)
+                       for g, group in enumerate(self.layout.groups)]
+        if kv_copies:  # partial prefix hits: one full-attention group only (KVCacheManager)
             src = [c.src * bs + i for c in kv_copies for i in range(c.num_tokens)]
             dst = [c.dst * bs + i for c in kv_copies for i in range(c.num_tokens)]
-            meta.copy_slots = (torch.tensor(src, dtype=torch.long, device=dev),
-                               torch.tensor(dst, dtype=torch.long, device=dev))
-        return decodes + prefills, input_ids, positions, meta
+            group_metas[0].copy_slots = (torch.tensor(src, dtype=torch.long, device=dev),
+                                         torch.tensor(dst, dtype=torch.long, device=dev))
+        return decodes + prefills, input_ids, positions, [group_metas[g] for g in self.layout.layer_group]
+
+    def _group_metadata(self, g: int, window: int | None, decodes: list[ScheduledSample],
+                        prefills: list[ScheduledSample], positions: torch.Tensor):
+        """KV cache group g's cache slots for the step's tokens and its attention metadata."""
+        bs = self.block_size
+        decode_slots = []
+        for s in decodes:
+            p = s.start
+            decode_slots.append(s.block_tables[g][p // bs] * bs + p % bs)
+        slot_parts = [torch.tensor(decode_slots, dtype=torch.long, device=self.device)]
+        chunks: list[PrefillChunk] = []
+        q_start = len(decodes)
+        for s in prefills:
+            start, end = s.start, s.start + s.num_new_tokens
+            table = s.block_tables[g]
+            slot_parts.append(self._slots(table, start, end))
+            chunks.append(PrefillChunk(q_start, start, end, table))
+            q_start += s.num_new_tokens
+        slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
+        return self.attention.build_metadata(
+            slot_mapping, positions, [DecodeEntry(s.block_tables[g], s.start + 1) for s in decodes], chunks, window)
+
+    def _same_for_every_group(self, build) -> list:
+        """Each layer's metadata for a pass outside any step, where every group reads the same
+        block table: build(window) for each group. Several groups then write the same pages
+        (layer j of each group in pool tensor j), which is safe in a single pass from position 0:
+        each layer writes every position it attends before it attends."""
+        metas = [build(group.window) for group in self.layout.groups]
+        return [metas[g] for g in self.layout.layer_group]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        ordered, input_ids, positions, meta = self._prepare(sched.scheduled, sched.kv_copies)
+        ordered, input_ids, positions, metas = self._prepare(sched.scheduled, sched.kv_copies)
         if self.lora is not None:  # each row's adapter slot, in the flat batch's order
             self.lora.prepare([(s.sample.lora, s.num_new_tokens) for s in ordered])
         try:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, metas)
         finally:
             if self.lora is not None:
                 self.lora.clear()  # warm-up, timing and accuracy passes run the base model
@@ -194,10 +222,10 @@ class ModelRunner:
         # every decode in block 0: the shapes are what matters, and the pool's other pages stay
         # untouched (see zeroed_pool)
         blocks = torch.zeros(num_decodes, dtype=torch.long, device=self.device)
-        meta = self.attention.build_metadata(blocks * bs, torch.zeros_like(blocks),
-                                             [DecodeEntry([0], 1)] * num_decodes, [])
+        metas = self._same_for_every_group(lambda window: self.attention.build_metadata(
+            blocks * bs, torch.zeros_like(blocks), [DecodeEntry([0], 1)] * num_decodes, [], window))
         hidden = self.model(torch.zeros(num_decodes, dtype=torch.long, device=self.device),
-                            torch.zeros_like(blocks), self.kv_caches, meta)
+                            torch.zeros_like(blocks), self.kv_caches, metas)
         self.model.compute_logits(hidden)
         times["decode_ms"] = round((time.perf_counter() - t0) * 1000, 1)
         return times
@@ -232,9 +260,10 @@ class ModelRunner:
         n = len(token_ids)
         positions = torch.arange(n, dtype=torch.long, device=self.device)
         table = list(range(-(-n // self.block_size)))
-        meta = self.attention.build_metadata(positions.clone(), positions, [], [PrefillChunk(0, 0, n, table)])
+        metas = self._same_for_every_group(lambda window: self.attention.build_metadata(
+            positions.clone(), positions, [], [PrefillChunk(0, 0, n, table)], window))
         return self.model(torch.tensor(token_ids, dtype=torch.long, device=self.device), positions,
-                          self.kv_caches, meta)
+                          self.kv_caches, metas)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, s: ScheduledSample
                          ) -> list[TokenLogprobs | None]:

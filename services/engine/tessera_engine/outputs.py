@@ -30,7 +30,7 @@ class ScheduledSample:
     sample: Sample
     num_new_tokens: int
     start: int  # position of the first token computed this step (= tokens computed before)
-    block_table: list[int]  # the sample's blocks (a live view kept by the KV cache manager)
+    block_tables: tuple[list[int], ...]  # the sample's blocks, per KV cache group (live views kept by the KV cache manager)
     # speculative decoding: guessed tokens after the sample's last one, computed in this step
     # too (num_new_tokens = 1 + len(draft_token_ids)); every row samples, to verify them
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)

@@ -178,7 +178,7 @@ class Scheduler:
             if draft and num_new == 1 and len(draft) < budget:
                 if self.kv.allocate(req, 1 + len(draft)):
                     scheduled.append(ScheduledSample(req, 1 + len(draft), req.num_computed_tokens,
-                                                     self.kv.block_table(req), draft))
+                                                     self.kv.block_tables(req), draft))
                     budget -= 1 + len(draft)
                     i += 1
                     continue
@@ -196,7 +196,7 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledSample(req, num_new, req.num_computed_tokens,
-                                                   self.kv.block_table(req)))
+                                                   self.kv.block_tables(req)))
                 budget -= num_new
                 i += 1
                 continue
@@ -235,7 +235,7 @@ class Scheduler:
             self.running.append(req)
             if req.lora is not None:
                 adapters.add(req.lora)
-            scheduled.append(ScheduledSample(req, num_new, num_cached, self.kv.block_table(req)))
+            scheduled.append(ScheduledSample(req, num_new, num_cached, self.kv.block_tables(req)))
             budget -= num_new
 
         return SchedulerOutput(scheduled, preempted, self.token_budget - budget, kv_copies)

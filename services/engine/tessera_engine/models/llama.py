@@ -1,8 +1,8 @@
 """The Llama family (Llama, Qwen2, Qwen3, Mistral, SmolLM) in torch, over a paged KV cache.
 
 RMSNorm, rotary embeddings (models/rotary.py), grouped-query attention, SwiGLU MLP,
-optional QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), one sliding window for every layer
-(Mistral) and tied embeddings. Q, K and V share one matmul, as do
+optional QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding windows on every layer
+(Mistral) or some (layer_types) and tied embeddings. Q, K and V share one matmul, as do
 gate and up. The attention and op backends are the model runner's choice, set once
 with `use_backend`.
 """
@@ -30,20 +30,21 @@ class MatmulPair(NamedTuple):
     dense: Callable[[torch.Tensor], torch.Tensor]
 
 
-def sliding_window(config) -> int | None:
-    """The attention window every layer shares (None: full attention), as HF reads the config:
-    Mistral's `sliding_window`; Qwen2/Qwen3's only with `use_sliding_window`, per `layer_types`.
-    A window on some layers only cannot share one paged cache's block freeing: refused."""
+def attention_windows(config) -> list[int | None]:
+    """Each layer's attention window (None: full attention), as HF reads the config: Mistral's
+    `sliding_window` on every layer; Qwen2/Qwen3's only with `use_sliding_window`, and Gemma's,
+    on the layers `layer_types` names sliding. Layers that differ get KV cache groups of their
+    own (kv_layout.py)."""
+    n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-    if kinds == {"full_attention"}:
-        return None
-    if kinds != {"sliding_attention"}:
-        raise ValueError(f"{config.model_type}: a sliding window on some layers only (layer_types "
-                         f"{sorted(kinds)}) is not supported; one window for every layer is")
-    return int(window)
+        return [None] * n
+    kinds = list(getattr(config, "layer_types", None) or ["sliding_attention"] * n)
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown or len(kinds) != n:
+        raise ValueError(f"{config.model_type}: layer_types {sorted(set(kinds))} for {n} layers: only "
+                         "sliding_attention and full_attention layers are supported, one per layer")
+    return [int(window) if k == "sliding_attention" else None for k in kinds]
 
 
 class Linear(nn.Linear):
@@ -202,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.sliding_window = sliding_window(config)
+        self.attention_windows = attention_windows(config)
         self._tied_pw = PackedWeight()
         self.embed_q: QuantizedWeight | None = None  # the checkpoint's quantized embedding table
         self.embed_qpath: QuantizedPath | None = None  # the ops' kernels for it (prepare_quantized)
@@ -212,14 +213,15 @@ class LlamaForCausalLM(nn.Module):
         self.attention: TorchAttention | None = None  # set by use_backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """Flat batch of T tokens → final hidden states [T, hidden]."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> torch.Tensor:
+        """Flat batch of T tokens → final hidden states [T, hidden]. kv_caches, metas: each
+        layer's cache tensors and its KV cache group's step metadata."""
         x = (self.embed_tokens(input_ids) if self.qembedding is None else
              self.qembedding(input_ids, self.embed_q.data, self.embed_q.qtype, self.config.hidden_size,
                              self.embed_tokens.weight.dtype))
         cos, sin = self.attention.rotary_tables(self.rotary, x.dtype, positions)
         residual = None
-        for layer, kv in zip(self._layer_steps, kv_caches):
+        for layer, kv, meta in zip(self._layer_steps, kv_caches, metas):
             x, residual = layer(x, residual, cos, sin, kv, meta)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 

@@ -1,8 +1,10 @@
-"""Each Llama-family architecture the loader accepts, built here as a tiny random HF model,
+"""Each architecture the loader accepts (the Llama family, Gemma 3), built here as a tiny random HF model,
 saved as safetensors (the path a user's HF directory takes) and as GGUF files written as
 llama.cpp would write them (tests/helpers/gguf_tiny.py: F32, and Q8_0 / Q4_1 / Q4_0 mixes), loaded by
 the engine's loader and checked against HF transformers' greedy generate token for token in
-fp32. Mistral's sliding window past its end: tests/engine/test_sliding_window.py."""
+fp32. Mistral's sliding window past its end: tests/engine/test_sliding_window.py; Gemma 3's
+sliding and global layers past the window, chunked, preempted and cached, and the real
+checkpoint: tests/engine/test_gemma3.py."""
 from __future__ import annotations
 
 import pytest
@@ -36,10 +38,12 @@ def test_family_matches_hf_greedy_through_the_safetensors_loader(family, tmp_pat
     for i, (got, ref) in enumerate(zip(engine_greedy(loaded, speculative_config=ngram), want)):
         assert got == ref, f"{family}, prompt {i}, speculating"
     # draft-model speculation: the model drafting for itself (every guess right), and another
-    # random model of the same vocabulary (guesses mostly wrong): no token changes either way
+    # random model of the same vocabulary (guesses mostly wrong): no token changes either way.
+    # A draft mixing sliding and global layers (Gemma 3) is refused (draft_model.py): Gemma
+    # takes the other model's guesses only.
     other = "llama" if family != "llama" else "qwen2"
     prepared(other, seed=12).save_pretrained(tmp_path / "draft", safe_serialization=True)
-    for draft in (tmp_path, tmp_path / "draft"):
+    for draft in (tmp_path, tmp_path / "draft")[1 if family == "gemma3" else 0:]:
         spec = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3, "disable_by_batch_size": 8}}'
         for i, (got, ref) in enumerate(zip(engine_greedy(loaded, speculative_config=spec), want)):
             assert got == ref, f"{family}, prompt {i}, draft model {draft.name}"
@@ -50,8 +54,31 @@ def test_a_family_the_engine_cannot_run_is_refused_naming_it_and_those_it_can(tm
 
     tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)).save_pretrained(
         tmp_path, safe_serialization=True)
-    with pytest.raises(ValueError, match=r"'gpt2' not supported \(supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]\)"):
+    with pytest.raises(ValueError, match=r"'gpt2' not supported \(supported: \['gemma3_text', 'llama', 'mistral', "
+                                         r"'qwen2', 'qwen3'\]\)"):
         load_model(str(tmp_path), None, torch.float32, torch.device("cpu"))
+
+
+def test_families_that_come_close_are_refused_naming_what_they_lack(tmp_path):
+    """Gemma 2 (attention logit soft-capping), a multimodal Gemma 3 checkpoint (its vision
+    tower), and a Gemma 3 text config with attention soft-capping set: each refused with what
+    the engine lacks, not just its type."""
+    import transformers as tf
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    tf.Gemma2ForCausalLM(tf.Gemma2Config(**small)).save_pretrained(tmp_path / "gemma2", safe_serialization=True)
+    with pytest.raises(ValueError, match=r"'gemma2' not supported: .*soft-capping \(attn_logit_softcapping\)"):
+        load_model(str(tmp_path / "gemma2"), None, torch.float32, torch.device("cpu"))
+    tf.Gemma3Config(text_config=small, vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                          num_attention_heads=2, image_size=28, patch_size=14)
+                    ).save_pretrained(tmp_path / "gemma3-mm")
+    with pytest.raises(ValueError, match=r"'gemma3' not supported: a multimodal Gemma 3 .*vision tower"):
+        load_model(str(tmp_path / "gemma3-mm"), None, torch.float32, torch.device("cpu"))
+    tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**small, attn_logit_softcapping=50.0)).save_pretrained(
+        tmp_path / "capped", safe_serialization=True)
+    with pytest.raises(ValueError, match=r"gemma3_text: attention logit soft-capping \(attn_logit_softcapping=50.0\)"):
+        load_model(str(tmp_path / "capped"), None, torch.float32, torch.device("cpu"))
 
 
 # -- the GGUF loader -----------------------------------------------------------------------
@@ -88,7 +115,11 @@ def test_family_matches_hf_greedy_through_the_gguf_loader(family, weights, tmp_p
         sliding-window key, so it loads as a Llama (full attention); these prompts stay
         inside the source model's 64-token window, where the two are the same.
       - Qwen3's head size is read by our loader (key_length) but not by transformers: see
-        hf_from_gguf."""
+        hf_from_gguf.
+      - Gemma 3: the file has no attention scalar (llama.cpp derives it from the head size, as
+        our loader does; transformers keeps its default 256) and transformers does not read its
+        global layers' linear rope scaling: the HF reference gets both as llama.cpp reads them
+        (model_families.gemma3_as_llama_cpp_reads_it); its norms are stored as 1 + w."""
     source = prepared(family)
     path = gguf_tiny.write_gguf(source, tmp_path / f"{family}-{weights}.gguf", GGUF_TYPES[weights])
     reference = hf_from_gguf(path, source)
@@ -104,7 +135,7 @@ def test_family_matches_hf_greedy_through_the_gguf_loader(family, weights, tmp_p
     quantized = weights != "F32"
     for keep in (True, False) if quantized else (True,):  # an F32 file has nothing to keep quantized
         loaded = load_model(str(path), None, torch.float32, torch.device("cpu"), keep_quantized=keep)
-        assert loaded.hf_config.model_type == ("llama" if family == "mistral" else family)
+        assert loaded.hf_config.model_type == {"mistral": "llama", "gemma3": "gemma3_text"}.get(family, family)
         assert hasattr(loaded.hf_config, "rope_freq_factors") == (family == "llama")
         got = engine_greedy(loaded)
         assert_quantized_path(loaded.model.layers[0].mlp.down_proj,

@@ -4,15 +4,20 @@ the GGUF loaders (ours and transformers') without llama.cpp or a download.
 
 What the file gets, per llama.cpp's conventions:
   - architecture: "llama" for Llama and Mistral (llama.cpp has no separate Mistral text
-    architecture: a Mistral model is a llama file), "qwen2", "qwen3";
+    architecture: a Mistral model is a llama file), "qwen2", "qwen3", "gemma3" (Gemma 3 text);
   - metadata: general.name / file_type / quantization_version, {arch}.vocab_size,
     context_length, embedding_length, block_count, feed_forward_length,
     attention.head_count(_kv), attention.layer_norm_rms_epsilon, rope.freq_base,
     rope.dimension_count (llama: the head size), attention.key_length / value_length (where
-    the config sets a head size other than hidden / heads, as Qwen3 does);
+    the config sets a head size other than hidden / heads, as Qwen3 does; always for gemma3),
+    gemma3's attention.sliding_window and its global layers' linear rope scaling
+    (rope.scaling.type / factor), as convert_hf_to_gguf.py writes them (llama.cpp fixes the
+    rest itself: every sixth layer global, the local rotary base 10000, the attention scale);
   - tensors: token_embd, blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm,
     ffn_gate, ffn_up, ffn_down}, blk.N.attn_{q,k,v}.bias (Qwen2), blk.N.attn_{q,k}_norm
-    (Qwen3), output_norm, and output only when lm_head is not tied to the embedding;
+    (Qwen3, Gemma 3), output_norm, and output only when lm_head is not tied to the embedding;
+    gemma3's four norms a layer: attn_norm, post_attention_norm, ffn_norm (before the MLP) and
+    post_ffw_norm, every norm stored as 1 + w (transformers' reader subtracts the 1 again);
   - for the llama architecture, the rows of attn_q / attn_k regrouped per head from HF's
     rotate-half order (first half of the rotary pairs, then the second) to the interleaved
     pair order llama.cpp's rope uses; transformers' GGUF reader (LlamaTensorProcessor)
@@ -48,7 +53,7 @@ FILE_TYPES = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTL
               T.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1, T.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
               T.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M, T.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}
 QK_K = 256
-ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 TypeChooser = Callable[[str, np.ndarray], T]
 
@@ -135,11 +140,13 @@ def mixed(embedding: T = T.Q8_0, linear: T = T.Q4_1, output: T | None = None) ->
 
 def _rope_theta(cfg) -> float:
     rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base is the file's
     return float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
 def _rope_scaling(cfg) -> dict:
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope = rope.get("full_attention", rope)
     return rope if rope.get("rope_type", rope.get("type", "default")) != "default" else {}
 
 
@@ -192,6 +199,9 @@ def gguf_tensors(model) -> list[tuple[str, str | None, np.ndarray]]:
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    if arch == "gemma3":  # a norm after each branch too: the pre-MLP norm is ffn_norm there
+        names.update({"post_attention_layernorm": "post_attention_norm",
+                      "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"})
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     for i in range(cfg.num_hidden_layers):
         for hf, short in names.items():
@@ -202,11 +212,23 @@ def gguf_tensors(model) -> list[tuple[str, str | None, np.ndarray]]:
                     continue
                 if arch == "llama" and short in ("attn_q", "attn_k"):
                     w = _to_llama_cpp_rope_rows(w, heads if short == "attn_q" else kv_heads)
-                out.append((f"blk.{i}.{short}.{kind}", hf_name, w))
-    out.append(("output_norm.weight", "model.norm.weight", state["model.norm.weight"]))
+                out.append((f"blk.{i}.{short}.{kind}", hf_name, _as_stored(arch, short, w)))
+    out.append(("output_norm.weight", "model.norm.weight",
+                _as_stored(arch, "output_norm", state["model.norm.weight"])))
     if not getattr(cfg, "tie_word_embeddings", False):
         out.append(("output.weight", "lm_head.weight", state["lm_head.weight"]))
     return out
+
+
+def _as_stored(arch: str, short: str, w: np.ndarray) -> np.ndarray:
+    """Gemma's norms scale by 1 + w; llama.cpp stores the 1 + w (as convert_hf_to_gguf.py does)."""
+    return w + np.float32(1) if arch == "gemma3" and short.endswith("norm") else w
+
+
+def _as_read(arch: str, name: str, w: np.ndarray) -> np.ndarray:
+    """What transformers' reader makes of a stored tensor: for Gemma, the norms less 1 again
+    (in float32: not always bit for bit the w that was written)."""
+    return w - np.float32(1) if arch == "gemma3" and name.endswith("norm.weight") else w
 
 
 def _stored(name: str, w: np.ndarray, qtype: T) -> tuple[np.ndarray, T | None]:
@@ -230,13 +252,15 @@ def expected_state_dict(model, types: TypeChooser = all_f32) -> dict[str, torch.
     in HF's row order: each weight as stored (F32 exactly; F16 rounded; quantized and then
     dequantized by gguf-py: a row permutation commutes with row-wise block quantization)."""
     state = model.state_dict()
+    arch = ARCH[model.config.model_type]
     out = {}
     for name, hf_name, w in gguf_tensors(model):
         if hf_name is None:
             continue
-        hf_w = state[hf_name].detach().float().cpu().numpy()
+        hf_w = _as_stored(arch, name.split(".")[-2], state[hf_name].detach().float().cpu().numpy())
         data, raw = _stored(name, hf_w, types(name, w))
         back = gguf.quants.dequantize(data, raw) if raw is not None else data.astype(np.float32)
+        back = _as_read(arch, name, back)
         out[hf_name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32).reshape(hf_w.shape))
     return out
 
@@ -269,7 +293,13 @@ def write_gguf(model, path: str | pathlib.Path, types: TypeChooser = all_f32, na
     writer.add_rope_freq_base(_rope_theta(cfg))
     if arch == "llama":
         writer.add_rope_dimension_count(_head_dim(cfg))
-    if _head_dim(cfg) != cfg.hidden_size // cfg.num_attention_heads:
+    if arch == "gemma3":  # as convert_hf_to_gguf.py's Gemma3Model: the rest llama.cpp fixes itself
+        writer.add_sliding_window(cfg.sliding_window)
+        if _rope_scaling(cfg):
+            assert _rope_scaling(cfg)["rope_type"] == "linear", "llama.cpp's gemma3 takes linear rope scaling only"
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(_rope_scaling(cfg)["factor"]))
+    if arch == "gemma3" or _head_dim(cfg) != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(_head_dim(cfg))
         writer.add_value_length(_head_dim(cfg))
     for tname, data, raw_dtype in tensors:

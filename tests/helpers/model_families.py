@@ -33,10 +33,31 @@ def build(family: str):
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True))
     if family == "mistral":  # a sliding window longer than these prompts + outputs
         return tf.MistralForCausalLM(tf.MistralConfig(**COMMON, sliding_window=64))
+    if family == "gemma3":
+        return tf.Gemma3ForCausalLM(gemma3_config())
     raise ValueError(family)
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+def gemma3_config(**overrides):
+    """A tiny Gemma 3 text config: seven layers in the released models' pattern (five sliding,
+    a global one, a sliding one after it), a 16-token window that these prompts and outputs
+    pass, one KV head (as the 270M and 1B models have), head_dim 16 with an attention scalar
+    of its own (24), and two rotary bases: the local 10000 (the only one a GGUF file can
+    carry: llama.cpp's constant) and a global 1e6 with a linear scaling. No EOS token: HF's
+    generate runs every reference to its length (a random model picks Gemma's EOS id, 1, now
+    and then; the engine's requests ignore EOS)."""
+    import transformers as tf
+
+    cfg = {**COMMON, "num_hidden_layers": 7, "num_key_value_heads": 1, "head_dim": 16, "query_pre_attn_scalar": 24,
+           "sliding_window": 16,
+           "layer_types": ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"],
+           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
+           "tie_word_embeddings": True, "eos_token_id": None, **overrides}
+    return tf.Gemma3TextConfig(**cfg)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 PROMPTS = [[3, 17, 42, 99, 5], [7] * 21, list(range(10, 40))]
 NEW_TOKENS = 12  # the longest prompt + these stay inside Mistral's 64-token window
 
@@ -55,7 +76,25 @@ def prepared(family: str, seed: int = 11):
             for layer in hf.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    if family == "gemma3":
+        randomize_gemma_norms(hf)
     return hf
+
+
+def randomize_gemma_norms(hf) -> None:
+    """HF initializes Gemma's norm weights to zeros (scaling by 1 + 0): give every norm (the
+    four of each layer, q/k, the final one) values, so that the 1 + w is tested. The branches'
+    post-norms scale by 2..5, so that the layers outweigh the sqrt(hidden)-scaled embedding in
+    the residual stream, and the final norm by -1..1 per dimension, which breaks the tied
+    embedding's pull toward repeating the last token (random weights otherwise just echo it)."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name == "model.norm.weight":
+                p.uniform_(-2.0, 0.0)
+            elif ".post_" in name and name.endswith("norm.weight"):
+                p.uniform_(1.0, 4.0)
+            elif name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
 
 
 def engine_greedy(loaded, prompts=PROMPTS, **config) -> list[list[int]]:
@@ -83,14 +122,22 @@ def assert_quantized_path(layer, type_name: str | None) -> None:
 
 
 def hf_greedy(hf, prompts=PROMPTS) -> list[list[int]]:
-    refs = []
-    for p in prompts:
+    return [hf_greedy_ignoring_eos(hf, p, NEW_TOKENS) for p in prompts]
+
+
+def hf_greedy_ignoring_eos(hf, prompt: list[int], n: int) -> list[int]:
+    """HF generate's n greedy tokens with no stop token, as the engine's ignore_eos runs (HF's
+    min_new_tokens would instead forbid the EOS token, which a random model may well pick)."""
+    config = hf.generation_config
+    eos, config.eos_token_id = config.eos_token_id, None
+    try:
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              min_new_tokens=NEW_TOKENS, attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              pad_token_id=0)
-        refs.append(ref[0, len(p):].tolist())
-    return refs
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+    finally:
+        config.eos_token_id = eos
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
 
 
 def hf_from_gguf(path, source):
@@ -98,13 +145,26 @@ def hf_from_gguf(path, source):
     and undoes llama.cpp's q/k row order, so it sees exactly the weights our loader does.
     Transformers does not read {arch}.attention.key_length for Qwen3 (its config would keep
     the class default head_dim 128), so there the head size is the source model's; nor the
-    Llama 3 rope scaling a llama file stores as rope_freqs, so there the rope parameters are."""
+    Llama 3 rope scaling a llama file stores as rope_freqs, so there the rope parameters are.
+    Gemma 3: see gemma3_as_llama_cpp_reads_it."""
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if source.config.model_type == "gemma3_text":
+        gemma3_as_llama_cpp_reads_it(config, source.config)
     if source.config.model_type == "qwen3":
         config.head_dim = source.config.head_dim
     if source.config.model_type == "llama":
         config.rope_parameters = dict(source.config.rope_parameters)
     return tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                    dtype=torch.float32).eval()
+
+
+def gemma3_as_llama_cpp_reads_it(config, source_config) -> None:
+    """What transformers' reading of a gemma3 GGUF file misses, set as llama.cpp reads the file:
+    the linear rope scaling of the global layers (rope.scaling.*, which transformers does not
+    read for gemma3: the source model's rope parameters) and the attention scalar, which llama.cpp
+    derives from the head size (transformers keeps its class default, 256; the source model's
+    own 24 is not in the file)."""
+    config.rope_parameters = {k: dict(v) for k, v in source_config.rope_parameters.items()}
+    config.query_pre_attn_scalar = source_config.head_dim

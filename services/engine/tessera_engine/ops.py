@@ -59,6 +59,12 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's MLP activation: gelu(gate, tanh approximation) * up, as HF's gelu_pytorch_tanh."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    @staticmethod
     def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 

@@ -137,8 +137,9 @@ class LlamaAttention(nn.Module):
     def _normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         T, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(T * self.num_heads, d)).view(T, self.q_size)
-        k = self.k_norm(k.reshape(T * self.num_kv_heads, d)).view(T, self.kv_size)
+        # with one KV head, k's reshape is a strided view of qkv: the norm kernels take contiguous rows
+        q = self.q_norm(q.reshape(T * self.num_heads, d).contiguous()).view(T, self.q_size)
+        k = self.k_norm(k.reshape(T * self.num_kv_heads, d).contiguous()).view(T, self.kv_size)
         return torch.cat([q, k, v], dim=-1)
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):

@@ -8,13 +8,23 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions (HF's rotate-half layout)."""
+    """cos/sin tables for every position up to max_positions (HF's rotate-half layout).
 
-    def __init__(self, config, max_positions: int) -> None:
+    layer_type: for configs whose rope parameters are per attention type (Gemma 3's
+    `rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}`: a local base
+    for sliding-window layers, the global base and its scaling for full ones), the tables of
+    that type, as transformers computes them for it."""
+
+    def __init__(self, config, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        if layer_type is not None:
+            if layer_type not in rope:
+                raise ValueError(f"{config.model_type}: no rope parameters for {layer_type!r} layers "
+                                 f"(rope_parameters has {sorted(rope)})")
+            rope = rope[layer_type]
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type == "default":
             theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -23,7 +33,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scaling = 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            per_type = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **per_type)
         factors = getattr(config, "rope_freq_factors", None)
         if factors is not None:  # a GGUF file's rope_freqs (Llama 3 scaling, as llama.cpp applies it)
             inv_freq = inv_freq.float() / torch.tensor(factors, dtype=torch.float32)
@@ -31,11 +42,10 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-
+        # only the sign-folded sin is read: no plain copy kept (a table is [max_positions, dim])
         half = emb.shape[-1] // 2
         sign = torch.cat((-torch.ones(half), torch.ones(emb.shape[-1] - half)))
-        self.register_buffer("sin_signed", self.sin * sign, persistent=False)
+        self.register_buffer("sin_signed", (emb.sin() * scaling) * sign, persistent=False)
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin for every position ([max_positions, dim]) in dtype."""

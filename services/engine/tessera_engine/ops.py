@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from tessera_engine.models.packed_linear import ONEDNN, BrgemmPacking
 from tessera_engine.models.quantized import GGUF, INT8_X16, QuantizedWeight
 
-INT8_QTYPES = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0: the types the int8 matmul takes
+# the types the int8 matmul takes: Q4_0, Q4_1, Q8_0 as they are; Q5_0, Q4_K, Q6_K in layouts of
+# their own (csrc/int8_matmul.cpp), each weight exactly the file's
+INT8_QTYPES = frozenset({2, 3, 6, 8, 12, 14})
 
 
 class QuantizedPath(NamedTuple):
@@ -91,9 +93,9 @@ class CpuKernelOps(TorchOps):
     name = "cpu_kernels"
 
     def __init__(self, kernels, int8: bool = False) -> None:
-        """int8: Q4_0 / Q4_1 / Q8_0 weights repacked for the int8 matmul (the backend plan asks
-        for it only where this build has it, kernels.int8_matmul_available()); else, and for the
-        other types, the exact one."""
+        """int8: Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weights repacked for the int8 matmul (the
+        backend plan asks for it only where this build has it, kernels.int8_matmul_available());
+        else, and for the other types (Q5_K), the exact one."""
         self.kernels = kernels
         self.qlinear = kernels.qlinear
         self.qembedding = kernels.qembedding

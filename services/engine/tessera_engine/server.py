@@ -474,7 +474,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "--quantized-max-rows crossover, faster for large batches)")
     add_flag(p, "--quantized-matmul", "TESSERA_QUANTIZED_MATMUL", "auto", choices=["auto", "int8", "exact"],
              help="GGUF on CPU: how the quantized matmul computes: int8 (activations quantized to int8 per "
-                  "16 values, integer dot products on AVX512-VNNI, as llama.cpp; Q4_0, Q4_1, Q8_0 "
+                  "16 values, integer dot products on AVX512-VNNI, as llama.cpp; Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K "
                   "weights), exact (each block dequantized to the activations' dtype), auto (int8 in "
                   "bfloat16 where the kernels have VNNI, exact in float32)")
     add_flag(p, "--allocator", allocator.ENV, "auto", choices=list(allocator.CHOICES),

@@ -19,11 +19,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection", nogil);
   m.def("rope_and_cache_", &rope_and_cache_, "rotary on q and k in place; k and v written to the cache", nogil);
-  m.def("qlinear", &qlinear, "x W^T (+ bias), W block-quantized (GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)", nogil);
+  m.def("qlinear", &qlinear, "x W^T (+ bias), W block-quantized (GGUF Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)", nogil);
   m.def("qembedding", &qembedding, "rows of a block-quantized embedding table", nogil);
   m.def("qdequantize", &qdequantize, "a block-quantized weight as float32", nogil);
   m.def("int8_matmul_available", &int8_matmul_available, "whether qlinear_i8 runs on this build (AVX512-VNNI)");
-  m.def("qrepack_i8", &qrepack_i8, "a Q4_0 / Q4_1 / Q8_0 weight in qlinear_i8's layout", nogil);
+  m.def("qrepack_i8", &qrepack_i8, "a Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weight in qlinear_i8's layout", nogil);
   m.def("qlinear_i8", &qlinear_i8, "x W^T (+ bias) on int8 dot products, W repacked by qrepack_i8", nogil);
   m.def("qembedding_i8", &qembedding_i8, "rows of a table repacked by qrepack_i8, exactly dequantized", nogil);
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum", nogil);

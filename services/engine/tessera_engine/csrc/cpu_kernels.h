@@ -18,10 +18,11 @@
 //                         the AVX-512 loads and exp
 //   attention.cpp         paged decode attention
 //   elementwise.cpp       RMSNorm (+ residual add), SwiGLU, rotary + K/V cache write, argmax
-//   quantized_matmul.cpp  GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K):
+//   quantized_matmul.cpp  GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K):
 //                         matmul, embedding rows, dequantize
 //   int8_matmul.cpp       the same matmul for a few rows on int8 dot products (AVX512-VNNI),
-//                         activations quantized per block, Q4_0 / Q4_1 / Q8_0 weights repacked
+//                         activations quantized per block, Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K
+//                         weights repacked
 //   gguf_blocks.h         the GGUF block types, sizes and exact dequantization both read
 //   dense_matmul.cpp      bfloat16 matmul on oneDNN's brgemm micro-kernel
 //   lora.cpp              batched LoRA (shrink then expand per adapter slot), batch-invariant

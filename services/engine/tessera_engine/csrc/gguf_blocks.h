@@ -15,25 +15,29 @@
 namespace tessera {
 namespace {
 
-// ---- GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), used as they are --
+// ---- GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), used as they are --
 // A quantized weight is llama.cpp's own bytes, uint8 [N, K / block weights * block bytes]:
-// each row is a run of blocks. Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights: a float16 scale d
-// (and, for Q4_1, a float16 minimum m) and the quants. The K-quants' super-blocks hold 256
-// weights (QK_K) in sub-blocks with their own scales: Q4_K / Q5_K (144 / 176 bytes) a float16
-// d and dmin and eight 6-bit scales and mins packed in 12 bytes, scaling sub-blocks of 32
-// 4-bit (Q5_K: 5-bit, the fifth bit in 32 bytes of its own) quants as (d * sc) * q - (dmin * m);
+// each row is a run of blocks. Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks hold 32 weights: a float16
+// scale d (and, for Q4_1, a float16 minimum m) and the quants. Q5_0 (22 bytes): d, then 4 bytes
+// holding each weight's fifth bit (bit j of the little-endian uint32: weight j), then 16 bytes of
+// low nibbles paired as Q4_0's (byte j: weight j low, weight 16 + j high); w = d * (q - 16).
+// The K-quants' super-blocks hold 256 weights (QK_K) in sub-blocks with their own scales:
+// Q4_K / Q5_K (144 / 176 bytes) a float16 d and dmin and eight 6-bit scales and mins packed in
+// 12 bytes, scaling sub-blocks of 32 4-bit (Q5_K: 5-bit, the fifth bit in 32 bytes of its own)
+// quants as (d * sc) * q - (dmin * m);
 // Q6_K (210 bytes) 6-bit quants (low 4 bits, high 2 bits), sixteen int8 scales of 16-weight
 // sub-blocks and a float16 d last, (d * sc) * (q - 32). dequant_block_scalar computes a block
 // as gguf-py's reference does, in float32 and in its order (Q4_1: d * q, then + m; no fused
 // multiply-add).
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };  // ggml's type numbers
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };  // ggml's type numbers
 
-#define TESSERA_QTYPES_SUPPORTED "(supported: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)"
+#define TESSERA_QTYPES_SUPPORTED "(supported: Q4_0=2, Q4_1=3, Q5_0=6, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)"
 
 constexpr int64_t q_block_bytes(int64_t qt) {
   switch (qt) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
     case kQ8_0: return 34;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
@@ -52,6 +56,7 @@ inline const char* q_type_name(int64_t qt) {
   switch (qt) {
     case kQ4_0: return "Q4_0";
     case kQ4_1: return "Q4_1";
+    case kQ5_0: return "Q5_0";
     case kQ8_0: return "Q8_0";
     case kQ4_K: return "Q4_K";
     case kQ5_K: return "Q5_K";
@@ -70,6 +75,14 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
+// Q5_0's quant j (0..31, unsigned: the weight is d * (q - 16)) of block b.
+inline int q5_0_quant(const uint8_t* b, int j) {
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  const int lo = (b[6 + (j & 15)] >> (4 * (j >> 4))) & 15;
+  return lo | static_cast<int>(((qh >> j) & 1u) << 4);
+}
+
 // Q4_K / Q5_K's 12 bytes of packed 6-bit scales and mins -> sc[8], mn[8] (gguf-py's
 // Q4_K.get_scale_min): bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales
 // 4-7, bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of scales (and mins) 4-7.
@@ -80,6 +93,15 @@ inline void kquant_scale_min(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
     sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
     mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
   }
+}
+
+// Q6_K's quant p (0..63, unsigned: the weight is (d * scales[p / 16]) * (q - 32)) of
+// super-block b: see dequant_kblock_scalar.
+inline int q6_k_quant(const uint8_t* b, int p) {
+  const int c = p / 128, t = (p % 128) / 32, l = p % 32;
+  const int lo = (b[64 * c + 32 * (t & 1) + l] >> (4 * (t / 2))) & 15;
+  const int hi = (b[128 + 32 * c + l] >> (2 * t)) & 3;
+  return lo | (hi << 4);
 }
 
 // The head of a Q4_K / Q5_K super-block, read once for the scalar and vector dequantizers:
@@ -109,16 +131,11 @@ struct KQuantHead {
 __attribute__((noinline, optimize("fp-contract=off")))
 void dequant_kblock_scalar(const uint8_t* b, int64_t qt, float* out) {
   if (qt == kQ6_K) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half_to_float(b + 208);
     for (int p = 0; p < 256; ++p) {
-      const int c = p / 128, t = (p % 128) / 32, l = p % 32;
-      const int lo = (ql[64 * c + 32 * (t & 1) + l] >> (4 * (t / 2))) & 15;
-      const int hi = (qh[32 * c + l] >> (2 * t)) & 3;
       const float ds = d * static_cast<float>(sc[p / 16]);
-      out[p] = ds * static_cast<float>((lo | (hi << 4)) - 32);
+      out[p] = ds * static_cast<float>(q6_k_quant(b, p) - 32);
     }
     return;
   }
@@ -143,6 +160,8 @@ void dequant_block_scalar(const uint8_t* b, int64_t qt, float* out) {
   if (qt == kQ8_0) {
     const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
     for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(qs[j]) * d;
+  } else if (qt == kQ5_0) {
+    for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q5_0_quant(b, j) - 16);
   } else if (qt == kQ4_0) {
     const uint8_t* qs = b + 2;
     for (int j = 0; j < 16; ++j) {

@@ -1,5 +1,5 @@
-// tessera's CPU kernels: the matmul of activation rows with Q4_0 / Q4_1 / Q8_0 weights
-// on integer dot products, as llama.cpp computes it: each 32-value block of an activation row
+// tessera's CPU kernels: the matmul of activation rows with Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K /
+// Q6_K weights on integer dot products, as llama.cpp computes it: each 32-value block of an activation row
 // is quantized to int8 with a float scale per 16 values (x ~ dx * xq), and each half of a weight
 // block contributes
 //   Q4_0: d dx (sum q xq - 8 sum xq)      Q8_0: d dx (sum q xq)      Q4_1: d dx sum q xq + m dx sum xq
@@ -21,11 +21,31 @@
 // same trade llama.cpp makes); the backend plan uses this path only where the plan says so
 // (bfloat16 activations) and the float32 path stays exact.
 //
+// Every weight type is repacked into one of six block layouts (layout_of), each 32 weights of a
+// row exactly the file's weights (the int8 activations are the only approximation):
+//   Q4_0, Q4_1, Q8_0  the file's blocks as they are;
+//   Q5_0 -> Q5_0X     the file's 22 bytes a block: its nibbles as Q4_0's, the fifth bits regrouped
+//                     so that one shift and mask puts them on top of the nibbles (q5_0x_weight),
+//                     the same float16 d; q - 16 as Q4_0's q - 8 (as Q8_0's signed bytes it would
+//                     read 34 bytes a block);
+//   Q4_K -> Q4_1F     Q4_1 with float32 fields: each 32-weight sub-block's d * sc and -(dmin * m),
+//                     the reference's own float32 products (as Q4_1's float16 fields they would be
+//                     off by 6.7e-4 of the weights' rms on Gemma 3 270M's file: benchmarks/
+//                     quantized_accuracy.py --layout-error; float32 costs 4 bytes a 32 weights);
+//   Q6_K -> Q8_0S     the quant q - 32 as a signed byte and two float32 scales a block, d * sc of
+//                     each 16-weight sub-block (Q6_K's scales do not fit one per 32 weights; the
+//                     kernel's two half-block sums take one each: d0 dx0 sum0 + d1 dx1 sum1, where
+//                     requantizing to Q8_0 would be off by 5.6e-3 of the weights' rms).
+// Its block of one row, before interleaving: the scale fields (d; d, m; d0, d1), then the quants.
+//
 // Repacked layout, uint8 [N / 16, blocks * group block bytes]: for row group g and block b,
 //   quants  Q4: 4 x 64 bytes, vector i lane r = bytes 4i..4i+3 of row 16g+r's block (low nibbles
 //               are weights 4i..4i+3, high nibbles 16+4i..16+4i+3: GGUF's own pairing);
 //           Q8: 8 x 64 bytes, vector i lane r = weights 4i..4i+3 of row 16g+r, plus 128 (unsigned)
-//   then 16 float16 d, then (Q4_1) 16 float16 m: the same bytes a block as the file's layout.
+//           Q5_0X: Q4's 4 x 64 bytes, then 64 bytes of fifth bits, lane r = row 16g+r's 4 bytes
+//   then each scale field for the 16 rows (16 float16 d, then (Q4_1) 16 float16 m; float32 for
+//   Q4_1F and Q8_0S): for Q4_0 / Q4_1 / Q8_0 the same bytes a block as the file's layout.
+// The repacked weight keeps the file's type number: the kernels map it to its layout.
 #include "cpu_kernels.h"
 #include "gguf_blocks.h"
 #include "vec.h"
@@ -35,36 +55,131 @@ namespace {
 
 constexpr int64_t kRows = 16;  // output rows a group interleaves: one int32 lane each
 
-constexpr bool repackable(int64_t qt) { return qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0; }
+// the layouts of their own (no ggml type has these numbers): Q4_1 and Q8_0 with float32 fields,
+// Q5_0 with its fifth bits where the kernel reads them
+constexpr int64_t kQ4_1F = 1001, kQ8_0S = 1002, kQ5_0X = 1003;
 
-constexpr int64_t quant_bytes(int64_t qt) { return qt == kQ8_0 ? 512 : 256; }  // a group's quants of one block
+#define TESSERA_INT8_TYPES "Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K"
 
-// bytes of one block of a 16-row group: the quants, d, and (Q4_1) m
-constexpr int64_t group_block_bytes(int64_t qt) { return quant_bytes(qt) + 32 + (qt == kQ4_1 ? 32 : 0); }
-
-// Where row r's block (the file's bytes) lies in its group's block of the repacked layout:
-// f(group offset, block offset, is a quant) for each of its bytes. qrepack_i8 copies one way,
-// qembedding_i8 the other.
-template <typename F>
-inline void block_in_group(int64_t qt, int64_t r, F&& f) {
-  const int64_t qb = quant_bytes(qt), qoff = qt == kQ4_1 ? 4 : 2;  // quants after d (and m)
-  for (int64_t i = 0; i < qb / 64; ++i)
-    for (int j = 0; j < 4; ++j) f(64 * i + 4 * r + j, qoff + 4 * i + j, true);
-  for (int j = 0; j < 2; ++j) f(qb + 2 * r + j, j, false);                        // d
-  if (qt == kQ4_1) for (int j = 0; j < 2; ++j) f(qb + 32 + 2 * r + j, 2 + j, false);  // m
+constexpr bool repackable(int64_t qt) {
+  return qt == kQ4_0 || qt == kQ4_1 || qt == kQ5_0 || qt == kQ8_0 || qt == kQ4_K || qt == kQ6_K;
 }
 
-// A quant byte as the group holds it (Q8_0 signed -> unsigned, + 128) and back: its own inverse.
-inline uint8_t group_quant(int64_t qt, uint8_t q) { return qt == kQ8_0 ? static_cast<uint8_t>(q ^ 0x80) : q; }
+// the layout a (repackable) file type's blocks take
+constexpr int64_t layout_of(int64_t qt) { return qt == kQ5_0 ? kQ5_0X : qt == kQ4_K ? kQ4_1F : qt == kQ6_K ? kQ8_0S : qt; }
+
+constexpr bool q8_quants(int64_t lt) { return lt == kQ8_0 || lt == kQ8_0S; }  // signed bytes, else nibbles
+constexpr bool has_min(int64_t lt) { return lt == kQ4_1 || lt == kQ4_1F; }
+constexpr int64_t scale_bytes(int64_t lt) { return lt == kQ4_1F || lt == kQ8_0S ? 4 : 2; }   // float32 or float16
+constexpr int64_t scale_fields(int64_t lt) { return has_min(lt) || lt == kQ8_0S ? 2 : 1; }  // d (, m or d1)
+
+// a group's quants of one block (Q5_0X: the nibbles, then a vector of fifth bits)
+constexpr int64_t quant_bytes(int64_t lt) { return q8_quants(lt) ? 512 : lt == kQ5_0X ? 320 : 256; }
+
+// bytes of one block of a 16-row group: the quants, then each scale field of the 16 rows
+constexpr int64_t group_block_bytes(int64_t lt) { return quant_bytes(lt) + kRows * scale_fields(lt) * scale_bytes(lt); }
+
+// Q5_0X's fifth bits: byte j (< 4) of a row's 4 bytes holds, at bit i, the fifth bit of the weight
+// that byte j of the row's lane in nibble vector i (< 4: low nibbles, else high) holds: weight
+// 4i + j, or 16 + 4 (i - 4) + j. Shifted by 4 - i (a left shift for i < 4) it lands on bit 4 of
+// the very byte whose nibble it tops.
+inline int q5_0x_weight(int i, int j) { return i < 4 ? 4 * i + j : 16 + 4 * (i - 4) + j; }
+
+// bytes of one row's block in the layout, before interleaving (at most 40)
+constexpr int64_t layout_block_bytes(int64_t lt) { return scale_fields(lt) * scale_bytes(lt) + quant_bytes(lt) / kRows; }
+
+// Where row r's block (in the layout, before interleaving) lies in its group's block of the
+// repacked layout: f(group offset, block offset, is a quant) for each of its bytes. qrepack_i8
+// copies one way, qembedding_i8 the other.
+template <typename F>
+inline void block_in_group(int64_t lt, int64_t r, F&& f) {
+  const int64_t qb = quant_bytes(lt), sb = scale_bytes(lt), nf = scale_fields(lt), qoff = nf * sb;
+  for (int64_t i = 0; i < qb / 64; ++i)
+    for (int j = 0; j < 4; ++j) f(64 * i + 4 * r + j, qoff + 4 * i + j, true);
+  for (int64_t s = 0; s < nf; ++s)  // d (and m, or d1)
+    for (int64_t j = 0; j < sb; ++j) f(qb + kRows * sb * s + sb * r + j, sb * s + j, false);
+}
+
+// A quant byte as the group holds it (signed -> unsigned, + 128) and back: its own inverse.
+inline uint8_t group_quant(int64_t lt, uint8_t q) { return q8_quants(lt) ? static_cast<uint8_t>(q ^ 0x80) : q; }
+
+inline void put_float(uint8_t* p, float v) { std::memcpy(p, &v, 4); }
+inline float get_float(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Block b (32 weights) of a file row of type qt, in its layout (layout_block_bytes bytes).
+void to_layout_block(const uint8_t* row, int64_t qt, int64_t b, uint8_t* out) {
+  if (qt == kQ4_0 || qt == kQ4_1 || qt == kQ8_0) {
+    std::memcpy(out, row + b * q_block_bytes(qt), q_block_bytes(qt));
+    return;
+  }
+  if (qt == kQ5_0) {  // d, the 16 nibble bytes as they are, then the fifth bits regrouped
+    const uint8_t* blk = row + b * q_block_bytes(qt);
+    out[0] = blk[0], out[1] = blk[1];
+    std::memcpy(out + 2, blk + 6, 16);
+    for (int j = 0; j < 4; ++j) {
+      int bits = 0;
+      for (int i = 0; i < 8; ++i) bits |= (q5_0_quant(blk, q5_0x_weight(i, j)) >> 4) << i;
+      out[18 + j] = static_cast<uint8_t>(bits);
+    }
+    return;
+  }
+  const uint8_t* sblk = row + b / 8 * q_block_bytes(qt);  // its super-block
+  const int s = static_cast<int>(b % 8);                  // and its 32 weights' place there
+  if (qt == kQ4_K) {
+    const KQuantHead h(sblk, qt);
+    put_float(out, h.scale(s));
+    put_float(out + 4, -h.min(s));
+    const uint8_t* qs = h.qs + 32 * (s / 2);
+    const int sh = 4 * (s & 1);
+    for (int j = 0; j < 16; ++j)
+      out[8 + j] = static_cast<uint8_t>(((qs[j] >> sh) & 15) | (((qs[j + 16] >> sh) & 15) << 4));
+    return;
+  }
+  TORCH_CHECK(qt == kQ6_K, "int8 layout: unsupported ggml type ", q_type_name(qt));
+  const int8_t* sc = reinterpret_cast<const int8_t*>(sblk + 192);
+  const float d = half_to_float(sblk + 208);
+  for (int h = 0; h < 2; ++h) put_float(out + 4 * h, d * static_cast<float>(sc[2 * s + h]));
+  for (int l = 0; l < 32; ++l) out[8 + l] = static_cast<uint8_t>(static_cast<int8_t>(q6_k_quant(sblk, 32 * s + l) - 32));
+}
+
+// One row's block in layout lt -> 32 float32, as the reference dequantizes the file's block:
+// the same products in the same order (Q4_1F: d * q + m with m = -(dmin * mn) is d * q - dmin * mn).
+__attribute__((noinline, optimize("fp-contract=off")))
+void dequant_layout_block(const uint8_t* blk, int64_t lt, float* out) {
+  if (lt == kQ4_1F) {
+    const float d = get_float(blk), m = get_float(blk + 4);
+    for (int j = 0; j < 16; ++j) {
+      const float lo = d * static_cast<float>(blk[8 + j] & 15), hi = d * static_cast<float>(blk[8 + j] >> 4);
+      out[j] = lo + m;
+      out[j + 16] = hi + m;
+    }
+  } else if (lt == kQ8_0S) {
+    for (int j = 0; j < 32; ++j) out[j] = get_float(blk + 4 * (j / 16)) * static_cast<float>(static_cast<int8_t>(blk[8 + j]));
+  } else if (lt == kQ5_0X) {  // as Q5_0: d * (q - 16)
+    const float d = half_to_float(blk);
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 4; ++j) {
+        const int w = q5_0x_weight(i, j);
+        const int q = ((blk[2 + (w & 15)] >> (4 * (w >> 4))) & 15) | (((blk[18 + j] >> i) & 1) << 4);
+        out[w] = d * static_cast<float>(q - 16);
+      }
+  } else {
+    dequant_block_scalar(blk, lt, out);
+  }
+}
 
 void check_repacked(const at::Tensor& wp, int64_t qt, int64_t K, const char* what) {
-  TORCH_CHECK(repackable(qt), what, ": int8 path for Q4_0, Q4_1, Q8_0 only, got ", q_type_name(qt));
+  TORCH_CHECK(repackable(qt), what, ": int8 path for " TESSERA_INT8_TYPES " only, got ", q_type_name(qt));
   TORCH_CHECK(wp.dim() == 2 && wp.scalar_type() == at::kByte && wp.is_contiguous(),
               what, ": the repacked weight is a contiguous uint8 [N / 16, group bytes]");
   TORCH_CHECK(K > 0 && K % 32 == 0, what, ": K must be a multiple of 32, got ", K);
-  TORCH_CHECK(wp.size(1) == K / 32 * group_block_bytes(qt), what, ": ", wp.size(1),
-              " bytes a row group do not hold K = ", K, " weights of ", q_type_name(qt), " (",
-              K / 32 * group_block_bytes(qt), " bytes)");
+  const int64_t gbb = group_block_bytes(layout_of(qt));
+  TORCH_CHECK(wp.size(1) == K / 32 * gbb, what, ": ", wp.size(1), " bytes a row group do not hold K = ", K,
+              " weights of ", q_type_name(qt), " (", K / 32 * gbb, " bytes)");
 }
 
 // The activations, quantized per 16 values (half a weight block): xq [M, K] int8, and per row
@@ -133,29 +248,39 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
 // y[m, 16g .. 16g + 15] for rows m0 .. m0 + MT - 1: the whole K of one row group. Each row's
 // arithmetic is the same whatever MT is (rows never share a sum), so a row's result does not
 // depend on how many rows the call has: the batch invariance the backend plan promises.
+// qt here is the layout (layout_of).
 template <int64_t qt, int MT, typename T>
 inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivations& a, int64_t K, int64_t m0,
                        const float* bias, T* y, int64_t N, int64_t g) {
   constexpr int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
-  constexpr int32_t off = qt == kQ4_0 ? 8 : qt == kQ8_0 ? 128 : 0;  // the unsigned quants' offset
+  constexpr int32_t off = qt == kQ4_0 ? 8 : qt == kQ5_0X ? 16 : q8_quants(qt) ? 128 : 0;  // the unsigned quants' offset
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = grp + b * gbb;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb)));
+    __m512 d;
+    if constexpr (scale_bytes(qt) == 4) d = _mm512_loadu_ps(blk + qb);
+    else d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb)));
+    __m512i fifth = _mm512_setzero_si512();
+    if constexpr (qt == kQ5_0X) fifth = _mm512_loadu_si512(blk + 256);
     // the MT rows' sums side by side: 2 MT independent chains of multiply-adds in flight
     __m512i s0[MT], s1[MT];
     for (int i = 0; i < MT; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k) {
       __m512i w0, w1;  // weights 4k .. 4k + 3 and 16 + 4k .. 16 + 4k + 3 of the 16 rows
-      if constexpr (qt == kQ8_0) {
+      if constexpr (q8_quants(qt)) {
         w0 = _mm512_loadu_si512(blk + 64 * k);
         w1 = _mm512_loadu_si512(blk + 64 * (4 + k));
       } else {
         const __m512i v = _mm512_loadu_si512(blk + 64 * k);
         w0 = _mm512_and_si512(v, low4);
         w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (qt == kQ5_0X) {  // bit k (low nibbles) and 4 + k (high) of each byte, to bit 4
+          const __m512i bit4 = _mm512_set1_epi8(0x10);
+          w0 = _mm512_or_si512(w0, _mm512_and_si512(_mm512_slli_epi16(fifth, 4 - k), bit4));
+          w1 = _mm512_or_si512(w1, _mm512_and_si512(_mm512_srli_epi16(fifth, k), bit4));
+        }
       }
       for (int i = 0; i < MT; ++i) {
         const int8_t* xq = a.q.data() + (m0 + i) * K + 32 * b;
@@ -167,8 +292,9 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
         s1[i] = _mm512_dpbusd_epi32(s1[i], w1, _mm512_set1_epi32(x1));
       }
     }
-    __m512 mn = _mm512_setzero_ps();
+    __m512 mn = _mm512_setzero_ps();  // the second field: the minimum (Q4_1, Q4_1F) or d1 (Q8_0S)
     if constexpr (qt == kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb + 32)));
+    if constexpr (qt == kQ4_1F || qt == kQ8_0S) mn = _mm512_loadu_ps(blk + qb + 64);
     for (int i = 0; i < MT; ++i) {
       const int64_t m = m0 + i;
       const float* dx = a.scale.data() + (m * nb + b) * 2;
@@ -177,10 +303,15 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
         s0[i] = _mm512_sub_epi32(s0[i], _mm512_set1_epi32(off * xs[0]));
         s1[i] = _mm512_sub_epi32(s1[i], _mm512_set1_epi32(off * xs[1]));
       }
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]));
-      t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0]), t);
-      acc[i] = _mm512_fmadd_ps(t, d, acc[i]);
-      if constexpr (qt == kQ4_1) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.offset[m * nb + b]), acc[i]);
+      if constexpr (qt == kQ8_0S) {  // each half its own weight scale
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0])), d, acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1])), mn, acc[i]);
+      } else {
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]));
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0]), t);
+        acc[i] = _mm512_fmadd_ps(t, d, acc[i]);
+      }
+      if constexpr (has_min(qt)) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.offset[m * nb + b]), acc[i]);
     }
   }
   for (int i = 0; i < MT; ++i) {
@@ -203,24 +334,26 @@ bool int8_matmul_available() {
 #endif
 }
 
-// A Q4_0 / Q4_1 / Q8_0 weight [N, K] (N a multiple of 16) in the layout qlinear_i8 reads.
+// A Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K weight [N, K] (N a multiple of 16) in the layout
+// qlinear_i8 reads (its type's layout_of); pass the file's type to the kernels with it.
 at::Tensor qrepack_i8(const at::Tensor& wq, int64_t qt, int64_t K) {
-  TORCH_CHECK(repackable(qt), "qrepack_i8: int8 path for Q4_0, Q4_1, Q8_0 only, got ", q_type_name(qt));
+  TORCH_CHECK(repackable(qt), "qrepack_i8: int8 path for " TESSERA_INT8_TYPES " only, got ", q_type_name(qt));
   check_quantized(wq, qt, K, "qrepack_i8");
-  const int64_t N = wq.size(0), nb = K / 32, bb = q_block_bytes(qt), row_bytes = wq.size(1);
+  const int64_t N = wq.size(0), nb = K / 32, row_bytes = wq.size(1), lt = layout_of(qt);
   TORCH_CHECK(N % kRows == 0, "qrepack_i8: N must be a multiple of 16, got ", N);
-  const int64_t gbb = group_block_bytes(qt);
+  const int64_t gbb = group_block_bytes(lt);
   at::Tensor out = at::empty({N / kRows, nb * gbb}, wq.options());
   const uint8_t* src = wq.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / kRows, 1, [&](int64_t gb, int64_t ge) {
+    uint8_t blk[layout_block_bytes(kQ8_0S)];
     for (int64_t g = gb; g < ge; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* o = dst + g * nb * gbb + b * gbb;
         for (int64_t r = 0; r < kRows; ++r) {
-          const uint8_t* blk = src + (g * kRows + r) * row_bytes + b * bb;
-          block_in_group(qt, r, [&](int64_t go, int64_t bo, bool quant) {
-            o[go] = quant ? group_quant(qt, blk[bo]) : blk[bo];
+          to_layout_block(src + (g * kRows + r) * row_bytes, qt, b, blk);
+          block_in_group(lt, r, [&](int64_t go, int64_t bo, bool quant) {
+            o[go] = quant ? group_quant(lt, blk[bo]) : blk[bo];
           });
         }
       }
@@ -244,7 +377,7 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   const uint8_t* w = wp.data_ptr<uint8_t>();
-  const int64_t gstride = nb * group_block_bytes(qt);
+  const int64_t lt = layout_of(qt), gstride = nb * group_block_bytes(lt);
   dispatch_float_bf16(x.scalar_type(), "qlinear_i8: activations", [&](auto tag) {
     using T = decltype(tag);
     const QuantizedActivations a = quantize_activations(x.data_ptr<T>(), M, K);
@@ -270,9 +403,14 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
         }
       });
     };
-    if (qt == kQ4_0) groups(std::integral_constant<int64_t, kQ4_0>{});
-    else if (qt == kQ4_1) groups(std::integral_constant<int64_t, kQ4_1>{});
-    else groups(std::integral_constant<int64_t, kQ8_0>{});
+    switch (lt) {
+      case kQ4_0: groups(std::integral_constant<int64_t, kQ4_0>{}); break;
+      case kQ4_1: groups(std::integral_constant<int64_t, kQ4_1>{}); break;
+      case kQ8_0: groups(std::integral_constant<int64_t, kQ8_0>{}); break;
+      case kQ4_1F: groups(std::integral_constant<int64_t, kQ4_1F>{}); break;
+      case kQ5_0X: groups(std::integral_constant<int64_t, kQ5_0X>{}); break;
+      default: groups(std::integral_constant<int64_t, kQ8_0S>{}); break;
+    }
   });
 #else
   TORCH_CHECK(false, "qlinear_i8: this build has no AVX512-VNNI (int8_matmul_available() is false)");
@@ -280,8 +418,8 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
   return out;
 }
 
-// Rows `ids` of a repacked Q4_0 / Q4_1 / Q8_0 table -> [T, K] of `dtype`, each value exactly as
-// from the file's layout (the block is put back together, then dequantized as gguf-py does).
+// Rows `ids` of a repacked table -> [T, K] of `dtype`, each value exactly as gguf-py dequantizes
+// the file's (the row's block in its layout is put back together, then dequantized).
 at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt, int64_t K, at::ScalarType dtype) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "qembedding_i8: ids [T] int64");
   check_repacked(wp, qt, K, "qembedding_i8");
@@ -291,21 +429,21 @@ at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < V, "qembedding_i8: id ", ip[t], " outside [0, ", V, ")");
   at::Tensor out = at::empty({T, K}, ids.options().dtype(dtype));
   const uint8_t* w = wp.data_ptr<uint8_t>();
-  const int64_t gbb = group_block_bytes(qt);
+  const int64_t lt = layout_of(qt), gbb = group_block_bytes(lt);
   dispatch_float_bf16(dtype, "qembedding_i8: dtype", [&](auto tag) {
     using T_ = decltype(tag);
     T_* op = out.data_ptr<T_>();
     at::parallel_for(0, T, 8, [&](int64_t b0, int64_t e0) {
-      uint8_t blk[34];
+      uint8_t blk[layout_block_bytes(kQ8_0S)];
       float vals[32];
       for (int64_t t = b0; t < e0; ++t) {
         const int64_t g = ip[t] / kRows, r = ip[t] % kRows;
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* o = w + g * nb * gbb + b * gbb;
-          block_in_group(qt, r, [&](int64_t go, int64_t bo, bool quant) {
-            blk[bo] = quant ? group_quant(qt, o[go]) : o[go];
+          block_in_group(lt, r, [&](int64_t go, int64_t bo, bool quant) {
+            blk[bo] = quant ? group_quant(lt, o[go]) : o[go];
           });
-          dequant_block_scalar(blk, qt, vals);
+          dequant_layout_block(blk, lt, vals);
           from_float(vals, op + t * K + 32 * b, 32);
         }
       }

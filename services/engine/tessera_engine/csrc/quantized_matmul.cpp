@@ -26,6 +26,22 @@ inline void dequant_block16x2(const uint8_t* b, __m512& lo, __m512& hi) {
     hi = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d, kRn);
     return;
   }
+  if constexpr (qt == kQ5_0) {  // nibbles as Q4_0's, bit j of the uint32 at b + 2 on top: q - 16
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i one = _mm512_set1_epi32(1), sixteen = _mm512_set1_epi32(16);
+    const __m512i bl = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(qh)), iota), one);
+    const __m512i bh = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(qh >> 16)), iota), one);
+    const __m512i il = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_and_si128(q, nib)), _mm512_slli_epi32(bl, 4));
+    const __m512i ih = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), nib)),
+                                       _mm512_slli_epi32(bh, 4));
+    lo = _mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(il, sixteen)), kRn);
+    hi = _mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ih, sixteen)), kRn);
+    return;
+  }
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (qt == kQ4_1 ? 4 : 2)));
   const __m128i nib = _mm_set1_epi8(0x0F);
   __m512i il = _mm512_cvtepu8_epi32(_mm_and_si128(q, nib));
@@ -99,7 +115,7 @@ inline __m512 bcast_half(const uint8_t* p) { return _mm512_set1_ps(half_to_float
 template <int64_t qt>
 inline __m512i dequant_block_bf16(const uint8_t* b) {
   constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  if constexpr (qt == kQ8_0) {
+  if constexpr (qt == kQ8_0 || qt == kQ5_0) {  // 32 (or 64) possible weights: no table
     __m512 lo, hi;
     dequant_block16x2<qt>(b, lo, hi);
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
@@ -230,6 +246,7 @@ void dispatch_qtype(int64_t qt, F&& f) {
   switch (qt) {
     case kQ4_0: f(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_0: f(std::integral_constant<int64_t, kQ5_0>{}); break;
     case kQ8_0: f(std::integral_constant<int64_t, kQ8_0>{}); break;
     case kQ4_K: f(std::integral_constant<int64_t, kQ4_K>{}); break;
     case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;

@@ -1,8 +1,9 @@
 """GGUF block-quantized weights kept as the file has them, for the CPU kernels' qlinear.
 
-A GGUF file's Q4_0, Q4_1, Q8_0 and K-quant Q4_K, Q5_K, Q6_K tensors (the types of the
-common Q4_K_M / Q5_K_M / Q6_K files) are read as llama.cpp's own bytes (uint8 [rows, row
-bytes]: blocks of 32 weights with their float16 scales; for the K-quants, super-blocks of
+A GGUF file's Q4_0, Q4_1, Q5_0, Q8_0 and K-quant Q4_K, Q5_K, Q6_K tensors (the types of the
+common Q4_K_M / Q5_K_M / Q6_K files; Q5_0 is where llama.cpp falls back from a K-quant for rows
+that are no whole super-blocks, as Gemma 3 270M's 640) are read as llama.cpp's own bytes (uint8
+[rows, row bytes]: blocks of 32 weights with their float16 scales; for the K-quants, super-blocks of
 256 weights with float16 super-scales and 6-bit / int8 sub-block scales, 144 / 176 / 210
 bytes each), put through the same row permutation transformers' reader applies to
 dequantized Llama q/k weights, and named as the HF checkpoint names them. The model keeps
@@ -18,9 +19,10 @@ import numpy as np
 import torch
 
 # ggml type number -> name, for the types the kernels take
-QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+QTYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # ggml type number -> (weights, bytes) of one block
-BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+Q5_0, Q8_0 = 6, 8
 GGUF, INT8_X16 = "gguf", "int8x16"  # layouts: the file's; repacked for the int8 matmul (csrc/int8_matmul.cpp)
 
 
@@ -41,10 +43,28 @@ class QuantizedWeight(NamedTuple):
 
     @staticmethod
     def concat(parts: list["QuantizedWeight | None"]) -> "QuantizedWeight | None":
-        """Row-wise concatenation (fused QKV, gate/up); None unless every part is there in one type."""
-        if not parts or any(p is None for p in parts) or len({(p.qtype, p.layout) for p in parts}) != 1:
+        """Row-wise concatenation (fused QKV, gate/up); None unless every part is there in one type.
+        Q5_0 parts beside Q8_0 ones (the file's layout) are first widened to Q8_0, the same weights
+        exactly: Gemma 3's Q4_K_M file has Q5_0 q / k and a Q8_0 v in half its layers."""
+        if not parts or any(p is None for p in parts):
+            return None
+        if {(p.qtype, p.layout) for p in parts} == {(Q5_0, GGUF), (Q8_0, GGUF)}:
+            parts = [QuantizedWeight(q5_0_as_q8_0(p.data), Q8_0) if p.qtype == Q5_0 else p for p in parts]
+        if len({(p.qtype, p.layout) for p in parts}) != 1:
             return None
         return QuantizedWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype, parts[0].layout)
+
+
+def q5_0_as_q8_0(data: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks (uint8 [rows, blocks * 22]) as Q8_0 blocks of the same weights: the same float16
+    d, and the quant q - 16 (-16..15) as a signed byte; both dequantize to d * (q - 16)."""
+    raw = data.numpy().reshape(data.shape[0], -1, 22)
+    qh = np.ascontiguousarray(raw[..., 2:6]).view("<u4")                       # [rows, blocks, 1]: bit j, weight j
+    qs = raw[..., 6:]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)                         # weights 0..15, 16..31
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    quants = ((low | high).astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return torch.from_numpy(np.concatenate([raw[..., :2], quants], axis=-1).reshape(data.shape[0], -1))
 
 
 def gguf_name_map(reader, hf_config):

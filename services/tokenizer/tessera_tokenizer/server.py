@@ -39,6 +39,7 @@ from tessera.common.metrics import add_metrics_flag
 from tessera.common.request_rules import CHAT_ROLES
 from tessera.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tessera_tokenizer import metrics
+from tessera_tokenizer.chat_formats import read_chat_template
 from tessera_tokenizer.detokenize_stream import DetokenizeSession
 from tessera_tokenizer.tokenizer import Encoding, Tokenizer
 
@@ -362,6 +363,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_common_flags(parser, 50052, "TESSERA_TOKENIZER_PORT")
     add_flag(parser, "--model", "TESSERA_MODEL", None,
              help="HF model directory or .gguf file (unset: the embedded SmolLM2-135M-Instruct)")
+    add_flag(parser, "--chat-template", "TESSERA_CHAT_TEMPLATE", None,
+             help="the chat template instead of the model's: a file, or the Jinja template itself (as vLLM's "
+                  "flag; unset: the model's, else its family's built-in format, e.g. Gemma's)")
     add_flag(parser, "--max-input-chars", "TESSERA_MAX_INPUT_CHARS", 1_000_000, type=int,
              help="longest text (or total chat content) Tokenize accepts, in characters")
     add_flag(parser, "--max-messages", "TESSERA_MAX_MESSAGES", 1024, type=int,
@@ -369,17 +373,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_metrics_flag(parser, "tokenizer")
     args = parser.parse_args(argv)
     tls.check_flags(parser, args)
+    if args.chat_template:
+        try:  # a usage error at once, not a failed load after the server started
+            read_chat_template(args.chat_template)
+        except ValueError as exc:
+            parser.error(str(exc))
     return args
 
 
-def _load_in_background(model: str | None) -> asyncio.Future:
+def _load_in_background(model: str | None, chat_template: str | None) -> asyncio.Future:
     """Load the tokenizer in a daemon thread (so a signal during loading can exit at once)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
     def load() -> None:
         try:
-            result: Any = Tokenizer.load(model)
+            result: Any = Tokenizer.load(model, chat_template)
             loop.call_soon_threadsafe(_settle, future, result, None)
         except BaseException as exc:  # reported through the future
             loop.call_soon_threadsafe(_settle, future, None, exc)
@@ -407,7 +416,7 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
 
     started = time.perf_counter()
-    loading = _load_in_background(args.model)
+    loading = _load_in_background(args.model, args.chat_template)
     stop_wait = asyncio.ensure_future(grpc_server.wait_for_stop())
     await asyncio.wait([loading, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     code = 0
@@ -421,7 +430,9 @@ async def serve(args: argparse.Namespace) -> int:
             info = servicer.tokenizer.info
             log.info("tokenizer loaded", extra={
                 "model": info.model_name, "vocab_size": info.vocab_size,
-                "max_model_len": info.max_model_len, "load_s": round(time.perf_counter() - started, 3)})
+                "max_model_len": info.max_model_len, "eos_token_ids": list(info.eos_token_ids),
+                "chat_template": servicer.tokenizer.chat_template_source,
+                "load_s": round(time.perf_counter() - started, 3)})
             freeze_startup_heap(log)
             await grpc_server.health.set(True)
             await stop_wait

@@ -6,8 +6,13 @@ Rust `tokenizers.Tokenizer` (`Tokenizer.backend`); the transformers wrapper is k
 only to render chat templates the way transformers does.
 
 Nothing here imports torch: transformers' own GGUF loader does (in transformers 5), so
-GGUF metadata is read with the `gguf` package and the vocabulary is converted with
-transformers' torch-free `convert_gguf_tokenizer`.
+GGUF metadata is read by `gguf_metadata` and the vocabulary is converted with transformers'
+torch-free `convert_gguf_tokenizer`.
+
+The chat template is chosen once, at load (`Tokenizer.chat_template_source` says which):
+`--chat-template` when given, else the model's own, else its family's built-in format
+(`chat_formats`: Gemma's, for a base model's file that carries none), else none. A family's
+end-of-turn token (Gemma's `<end_of_turn>`) joins the EOS ids, as llama.cpp does.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import tokenizers
 
 from tessera.common.model_source import ModelSource, resolve_model
+from tessera_tokenizer.chat_formats import chat_format, read_chat_template
+from tessera_tokenizer.gguf_metadata import read_metadata
 
 # Inputs longer than this go through the batch calls of `tokenizers`, which release the
 # GIL while they run (the single-input calls hold it), so other threads keep running.
@@ -55,23 +62,40 @@ class Encoding:
 class Tokenizer:
     """One loaded tokenizer. Thread-safe for encode/decode (the Rust tokenizer is)."""
 
-    def __init__(self, hf_tokenizer: Any, info: ModelInfo) -> None:
+    def __init__(self, hf_tokenizer: Any, info: ModelInfo, chat_template_source: str = "") -> None:
         self.hf = hf_tokenizer
         self.backend: tokenizers.Tokenizer = hf_tokenizer.backend_tokenizer
         self.info = info
+        self.chat_template_source = chat_template_source or ("the model's" if info.has_chat_template else "none")
 
     @classmethod
-    def load(cls, model: str | None = None) -> "Tokenizer":
-        """Load from a --model value: None/"" (the embedded default), a .gguf file or an HF directory."""
+    def load(cls, model: str | None = None, chat_template: str | None = None) -> "Tokenizer":
+        """Load from a --model value: None/"" (the embedded default), a .gguf file or an HF directory.
+
+        `chat_template`: --chat-template's value (a file, or Jinja inline), which replaces the
+        model's template. ValueError when it is neither a readable file nor a valid template.
+        """
+        override = read_chat_template(chat_template) if chat_template else None
         source = resolve_model(model)
         if source.gguf_file:
             hf, meta = _load_gguf(source.path)
-            max_len = _int_or_none(meta.get(f"{meta.get('general.architecture')}.context_length"))
+            architecture = meta.get("general.architecture")
+            max_len = _int_or_none(meta.get(f"{architecture}.context_length"))
             extra_eos = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
         else:
             hf = _load_hf_dir(source.directory)
+            architecture = _hf_architecture(source.directory)
             max_len, extra_eos = _read_hf_config(source.directory)
-        return cls(hf, _model_info(source, hf, max_len, extra_eos))
+        family = chat_format(architecture)
+        if family is not None:
+            extra_eos.append(hf.backend_tokenizer.token_to_id(family.end_of_turn))
+        template_source = ""
+        if override is not None:
+            hf.chat_template, template_source = override
+        elif not getattr(hf, "chat_template", None) and family is not None:
+            hf.chat_template = family.template
+            template_source = f"built-in {family.name} (the model's files have none)"
+        return cls(hf, _model_info(source, hf, max_len, extra_eos), template_source)
 
     @property
     def vocab_size(self) -> int:
@@ -210,15 +234,13 @@ def _load_hf_dir(directory: pathlib.Path) -> Any:
 
 def _load_gguf(path: pathlib.Path) -> tuple[Any, dict[str, Any]]:
     """The transformers tokenizer for a GGUF file, and the file's metadata (scalars and strings)."""
-    from gguf import GGUFReader
     from transformers import TokenizersBackend
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
 
-    reader = GGUFReader(str(path))
-    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    meta = read_metadata(path)
 
     def group(name: str) -> dict[str, Any]:
         keys = GGUF_TOKENIZER_MAPPING[name].items()
@@ -239,6 +261,14 @@ def _load_gguf(path: pathlib.Path) -> tuple[Any, dict[str, Any]]:
     # Keep only small values: the token and merge lists are large and no longer needed.
     small = {k: v for k, v in meta.items() if not isinstance(v, list)}
     return hf, small
+
+
+def _hf_architecture(directory: pathlib.Path) -> str | None:
+    """config.json's model_type (a multimodal model's text_config's when it has a built-in chat format)."""
+    config = _read_json(directory / "config.json")
+    model_type = config.get("model_type")
+    text_type = (config.get("text_config") or {}).get("model_type")
+    return model_type if chat_format(model_type) or not text_type else text_type
 
 
 def _read_hf_config(directory: pathlib.Path) -> tuple[int | None, list[Any]]:

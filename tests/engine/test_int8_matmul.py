@@ -202,8 +202,10 @@ def test_a_batch_invariant_engine_drops_the_dense_copies_it_never_reads(chat_pro
     from tessera_engine.models.loader import load_model
 
     layers = [m for m in own.executor.model.modules() if isinstance(m, Linear)]
-    assert own.executor.plan.why["dense_copies"].startswith(f"dropped for {len(layers)} quantized layers")
+    # the linear layers and the tied embedding table (lookup and lm_head both read the quantized one)
+    assert own.executor.plan.why["dense_copies"].startswith(f"dropped for {len(layers) + 1} quantized layers")
     assert layers and all(m.dense_dropped and not m._pw.frozen for m in layers)
+    assert own.executor.model.embed_tokens.weight.numel() == 0
     shared = load_model(None, None, torch.bfloat16, torch.device("cpu"))
     other = EngineCore(EngineConfig(device="cpu", dtype="bfloat16", kv_cache_gib=0.25), loaded=shared)
     assert "dense_copies" not in other.executor.plan.why  # its caller may build engines of other plans over it

@@ -132,8 +132,7 @@ def test_prefix_cache_blocks_are_shared_within_an_adapter_only():
         req = make_req(rid, 13)
         req.cache_salt = salt
         hit = kv.find_cached_prefix(req)
-        assert kv.allocate(req, req.num_tokens - hit.num_tokens, hit)
-        kv._register_full_blocks(req, req.num_tokens)
+        assert kv.allocate(req, req.num_tokens - hit.num_tokens, hit)  # publishes its full blocks
         return hit.num_tokens
 
     assert admitted("base", None) == 0

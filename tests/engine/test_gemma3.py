@@ -207,7 +207,7 @@ def real_core(loaded, **config) -> EngineCore:
 
 
 @pytest.mark.slow
-def test_the_real_file_matches_hf_chunked_from_the_prefix_cache_and_whole(real_file, real_prompt, real_want):
+def test_the_real_file_matches_hf_chunked_from_the_prefix_cache_preempted_and_whole(real_file, real_prompt, real_want):
     loaded = load_model(str(real_file), 1024, torch.float32, torch.device("cpu"))
     cfg = loaded.hf_config
     assert cfg.model_type == "gemma3_text" and cfg.sliding_window == 512 and cfg.query_pre_attn_scalar == 256
@@ -217,6 +217,11 @@ def test_the_real_file_matches_hf_chunked_from_the_prefix_cache_and_whole(real_f
     before = core.stats().prefix_cache_hits
     assert run(core, [real_prompt], REAL_NEW, "b") == [real_want]
     assert core.stats().prefix_cache_hits - before >= REAL_PROMPT_TOKENS - 16
+    # preempted: two copies (prefix caching off, so they share nothing) in a pool that holds one
+    # (~41 pages in each sliding group and 43 in the global one a request, 128-token chunks)
+    small = real_core(loaded, max_num_batched_tokens=128, num_kv_blocks=300, enable_prefix_caching=False)
+    assert run(small, [real_prompt, real_prompt], REAL_NEW, "p") == [real_want, real_want]
+    assert small.scheduler.num_preemptions > 0
     # the torch attention backend, the whole prompt in one step (its windowed SDPA prefill)
     assert run(real_core(loaded, cpu_kernels=False), [real_prompt], REAL_NEW) == [real_want]
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.gemma3_file import gemma3_gguf
 from tessera_engine.config import EngineConfig
 from tessera_engine.core import EngineCore
 from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
+
+from helpers.gemma3_file import gemma3_gguf
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
 

@@ -15,23 +15,15 @@ from tessera_engine.core import EngineCore
 from tessera_engine.kv_cache import FREED_BLOCK, KVCacheManager
 from tessera_engine.kv_layout import KVGroup, plan_kv_layout
 from tessera_engine.models.loader import load_model
-from tessera_engine.request import EngineCoreRequest, Sample
+from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
+
+from helpers.engine_requests import run_chunks, sample_of
+from helpers.model_families import hf_greedy_ignoring_eos
 
 pytestmark = pytest.mark.unit
 
 F = FREED_BLOCK
-
-
-def make_req(rid: str, tokens: list[int]) -> Sample:
-    return Sample(EngineCoreRequest(rid, tokens, SamplingParams(max_tokens=8)), 0, [2])
-
-
-def run_chunks(kv: KVCacheManager, req: Sample, chunk: int) -> None:
-    while req.num_computed_tokens < req.num_tokens:
-        n = min(chunk, req.num_tokens - req.num_computed_tokens)
-        assert kv.allocate(req, n)
-        req.num_computed_tokens += n
 
 
 # -- layout -------------------------------------------------------------------------------------
@@ -65,7 +57,7 @@ def test_a_type_that_does_not_divide_evenly_leaves_a_smaller_last_group():
 
 def test_each_group_has_its_own_table_and_the_window_group_frees_behind_its_window():
     kv = KVCacheManager(num_blocks=20, block_size=4, windows=[6, None])
-    r = make_req("r", list(range(10, 34)))  # 24 tokens: 6 blocks
+    r = sample_of("r", list(range(10, 34)))  # 24 tokens: 6 blocks
     run_chunks(kv, r, 4)
     window_table, full_table = kv.block_tables(r)
     assert len(window_table) == len(full_table) == 6
@@ -82,7 +74,7 @@ def test_a_4k_token_request_holds_its_window_in_each_sliding_group_and_everythin
     (plus a chunk while it runs), the global group all 256 blocks."""
     windows = [512] * 5 + [None]
     kv = KVCacheManager(num_blocks=2000, block_size=16, windows=windows)
-    r = make_req("long", [(7 * i) % 1000 + 3 for i in range(4096)])
+    r = sample_of("long", [(7 * i) % 1000 + 3 for i in range(4096)])
     most = [0] * 6
     while r.num_computed_tokens < r.num_tokens:
         n = min(512, r.num_tokens - r.num_computed_tokens)
@@ -102,7 +94,7 @@ def test_a_4k_token_request_holds_its_window_in_each_sliding_group_and_everythin
 
 def test_a_request_allocates_in_every_group_or_in_none():
     kv = KVCacheManager(num_blocks=5, block_size=4, windows=[6, None])
-    a = make_req("a", list(range(12)))  # 3 blocks in each group: 6 > 5
+    a = sample_of("a", list(range(12)))  # 3 blocks in each group: 6 > 5
     assert not kv.allocate(a, 12)
     assert kv.num_free_blocks == 5 and kv.block_tables(a) == ([], [])
     assert kv.allocate(a, 8)  # 2 + 2
@@ -115,11 +107,11 @@ def test_a_request_allocates_in_every_group_or_in_none():
 def test_a_prefix_hit_needs_every_block_of_the_full_group_and_the_windows_blocks_of_the_sliding_one():
     kv = KVCacheManager(num_blocks=40, block_size=4, windows=[6, None])
     prompt = list(range(100, 124))  # 6 blocks
-    a = make_req("a", prompt)
+    a = sample_of("a", prompt)
     run_chunks(kv, a, 24)  # one chunk: the window group holds all 6 blocks during it
     a_tables = [list(t) for t in kv.block_tables(a)]
     kv.free(a)
-    b = make_req("b", prompt + [1, 2])
+    b = sample_of("b", prompt + [1, 2])
     hit = kv.find_cached_prefix(b)
     assert hit.num_tokens == 24
     # position 24's window starts at 19 (block 4): the sliding group takes blocks 4 and 5 only
@@ -128,11 +120,11 @@ def test_a_prefix_hit_needs_every_block_of_the_full_group_and_the_windows_blocks
     # stops before it.
     for block in a_tables[0][:4]:
         kv.free_queue.move_to_end(block, last=False)
-    assert kv.allocate(make_req("o1", list(range(500, 516))), 8)  # 2 + 2 pages: the sliding group's first four
-    assert kv.find_cached_prefix(make_req("b2", prompt + [1])).num_tokens == 24
+    assert kv.allocate(sample_of("o1", list(range(500, 516))), 8)  # 2 + 2 pages: the sliding group's first four
+    assert kv.find_cached_prefix(sample_of("b2", prompt + [1])).num_tokens == 24
     kv.free_queue.move_to_end(a_tables[1][2], last=False)
-    assert kv.allocate(make_req("o2", list(range(600, 604))), 2)  # takes the full group's block 2
-    hit = kv.find_cached_prefix(make_req("b3", prompt + [1]))
+    assert kv.allocate(sample_of("o2", list(range(600, 604))), 2)  # takes the full group's block 2
+    hit = kv.find_cached_prefix(sample_of("b3", prompt + [1]))
     # 8 tokens: the full group has blocks 0-1; the window of position 8 (3..8) needs sliding blocks 0-1,
     # which were evicted: no hit at all; 4 tokens would need sliding block 0: gone too
     assert hit.num_tokens == 0
@@ -141,11 +133,11 @@ def test_a_prefix_hit_needs_every_block_of_the_full_group_and_the_windows_blocks
 def test_groups_cache_their_own_pages_for_the_same_tokens():
     kv = KVCacheManager(num_blocks=40, block_size=4, windows=[None, None])
     prompt = list(range(12))
-    a = make_req("a", prompt)
+    a = sample_of("a", prompt)
     run_chunks(kv, a, 12)
     t0, t1 = (list(t) for t in kv.block_tables(a))
     kv.free(a)
-    hit = kv.find_cached_prefix(make_req("b", prompt + [5]))
+    hit = kv.find_cached_prefix(sample_of("b", prompt + [5]))
     assert hit.block_ids == (t0, t1) and hit.num_tokens == 12 and hit.copy_from is None
 
 
@@ -171,13 +163,6 @@ def hybrid_qwen2(tmp_path_factory):
     return hf, load_model(str(path), None, torch.float32, torch.device("cpu"))
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 PROMPTS = [[3, 17, 42, 99, 5], [(7 * i) % 150 + 3 for i in range(45)], [(11 * i) % 157 + 2 for i in range(70)]]
 
 
@@ -201,7 +186,7 @@ def test_greedy_of_a_hybrid_model_matches_hf(hybrid_qwen2, cpu_kernels, budget, 
         for r in core.scheduler.running:
             most_sliding = max(most_sliding, core.kv_cache.held_blocks(r)[1])
     for i, p in enumerate(PROMPTS):
-        assert tokens[f"r{i}"] == hf_greedy(hf, p, n), f"prompt {i}"
+        assert tokens[f"r{i}"] == hf_greedy_ignoring_eos(hf, p, n), f"prompt {i}"
     assert most_sliding <= -(-(WINDOW + min(budget, 110)) // 16) + 1
     if num_blocks == 18:
         assert core.scheduler.num_preemptions > 0
@@ -216,10 +201,10 @@ def test_prefix_hits_on_a_hybrid_model_match_hf(hybrid_qwen2, cpu_kernels):
     base = [(13 * i) % 151 + 4 for i in range(64)]
     first = core.generate([EngineCoreRequest("a", base + [9, 8], SamplingParams(temperature=0.0, max_tokens=30,
                                                                                    ignore_eos=True))])
-    assert first[("a", 0)] == hf_greedy(hf, base + [9, 8], 30)
+    assert first[("a", 0)] == hf_greedy_ignoring_eos(hf, base + [9, 8], 30)
     before = core.stats().prefix_cache_hits
     second = base + [1, 2, 3, 4, 5]
     out = core.generate([EngineCoreRequest("b", second, SamplingParams(temperature=0.0, max_tokens=30,
                                                                          ignore_eos=True))])
     assert core.stats().prefix_cache_hits - before == 64
-    assert out[("b", 0)] == hf_greedy(hf, second, 30)
+    assert out[("b", 0)] == hf_greedy_ignoring_eos(hf, second, 30)

@@ -12,30 +12,20 @@ from tessera_engine.core import EngineCore
 from tessera_engine.kv_cache import FREED_BLOCK, KVCacheManager
 from tessera_engine.models.llama import attention_windows
 from tessera_engine.models.loader import load_model
-from tessera_engine.request import EngineCoreRequest, Sample
+from tessera_engine.request import EngineCoreRequest
 from tessera_engine.sampling_params import SamplingParams
+
+from helpers.engine_requests import run_chunks, sample_of
 
 pytestmark = pytest.mark.unit
 
 F = FREED_BLOCK
 
 
-def make_req(rid: str, tokens: list[int]) -> Sample:
-    return Sample(EngineCoreRequest(rid, tokens, SamplingParams(max_tokens=8)), 0, [2])
-
-
-def run_chunks(kv: KVCacheManager, req: Sample, chunk: int) -> None:
-    """Allocate and 'compute' the request's known tokens chunk by chunk, as steps would."""
-    while req.num_computed_tokens < req.num_tokens:
-        n = min(chunk, req.num_tokens - req.num_computed_tokens)
-        assert kv.allocate(req, n)
-        req.num_computed_tokens += n
-
-
 # -- KV cache bookkeeping (block size 4, window 6: a token sees itself and the 5 before) --------
 def test_blocks_the_window_has_left_behind_are_freed_while_the_request_runs():
     kv = KVCacheManager(num_blocks=10, block_size=4, windows=[6])
-    r = make_req("a", list(range(30)))
+    r = sample_of("a", list(range(30)))
     assert kv.allocate(r, 8)
     r.num_computed_tokens = 8
     assert kv.allocate(r, 8)  # position 8 sees 3..8: block 0 still needed
@@ -56,7 +46,7 @@ def test_blocks_the_window_has_left_behind_are_freed_while_the_request_runs():
 
 def test_a_long_request_runs_in_a_pool_smaller_than_its_context():
     kv = KVCacheManager(num_blocks=4, block_size=4, windows=[6])
-    r = make_req("a", list(range(100)))
+    r = sample_of("a", list(range(100)))
     run_chunks(kv, r, 4)
     assert len(kv.block_table(r)) == 25 and sum(b != F for b in kv.block_table(r)) <= 3
 
@@ -64,18 +54,18 @@ def test_a_long_request_runs_in_a_pool_smaller_than_its_context():
 def test_a_prefix_hit_needs_only_the_blocks_the_window_reaches():
     kv = KVCacheManager(num_blocks=20, block_size=4, windows=[6])
     prompt = list(range(100, 124))  # 6 full blocks
-    a = make_req("a", prompt)
+    a = sample_of("a", prompt)
     run_chunks(kv, a, 8)
     kv.free(a)  # all 6 blocks cached and free
     # evict the chain's first blocks: a later request that takes free blocks takes them first
     hashes = kv.req_blocks.get(a.key)
     assert hashes is None
-    first_two = [kv.cached[0][h] for h in kv._block_hashes(make_req("probe", prompt), 24)[:2]]
+    first_two = [kv.cached[0][h] for h in kv._block_hashes(sample_of("probe", prompt), 24)[:2]]
     for b in first_two:
         kv.free_queue.move_to_end(b, last=False)
-    other = make_req("other", list(range(500, 508)))
+    other = sample_of("other", list(range(500, 508)))
     assert kv.allocate(other, 8)  # two fresh blocks: the evicted first two
-    b = make_req("b", prompt + [7, 8, 9, 10])
+    b = sample_of("b", prompt + [7, 8, 9, 10])
     hit = kv.find_cached_prefix(b)
     blocks, n = hit.block_ids[0], hit.num_tokens
     # position 24's window starts at 19 (block 4): blocks 4 and 5 are enough
@@ -89,25 +79,25 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_reaches():
     assert kv.num_free_blocks == 20
     # without a window the same state gives no hit: the chain's first block is gone
     plain = KVCacheManager(num_blocks=20, block_size=4)
-    a2 = make_req("a2", prompt)
+    a2 = sample_of("a2", prompt)
     run_chunks(plain, a2, 8)
     plain.free(a2)
-    for h in plain._block_hashes(make_req("probe", prompt), 24)[:1]:
+    for h in plain._block_hashes(sample_of("probe", prompt), 24)[:1]:
         plain.free_queue.move_to_end(plain.cached[0][h], last=False)
-    assert plain.allocate(make_req("o", list(range(500, 504))), 4)
-    assert plain.find_cached_prefix(make_req("b2", prompt + [7]))[1] == 0
+    assert plain.allocate(sample_of("o", list(range(500, 504))), 4)
+    assert plain.find_cached_prefix(sample_of("b2", prompt + [7]))[1] == 0
 
 
 def test_a_gap_inside_the_window_shortens_the_hit():
     kv = KVCacheManager(num_blocks=20, block_size=4, windows=[6])
     prompt = list(range(200, 224))
-    a = make_req("a", prompt)
+    a = sample_of("a", prompt)
     run_chunks(kv, a, 24)
     kv.free(a)
-    block5 = kv.cached[0][kv._block_hashes(make_req("probe", prompt), 24)[5]]
+    block5 = kv.cached[0][kv._block_hashes(sample_of("probe", prompt), 24)[5]]
     kv.free_queue.move_to_end(block5, last=False)
-    assert kv.allocate(make_req("o", [1, 2, 3]), 3)  # evicts block 5 only
-    hit = kv.find_cached_prefix(make_req("b", prompt + [1, 2]))
+    assert kv.allocate(sample_of("o", [1, 2, 3]), 3)  # evicts block 5 only
+    hit = kv.find_cached_prefix(sample_of("b", prompt + [1, 2]))
     blocks, n = hit.block_ids[0], hit.num_tokens
     # 24 tokens would need block 5; 20 need blocks 3 and 4 (position 20 sees 15..20)
     assert n == 20 and blocks[:3] == [F] * 3 and len(blocks) == 5

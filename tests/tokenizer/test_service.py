@@ -38,7 +38,9 @@ STARTUP_TIMEOUT_S = 90
 
 
 def start_process(port: int, log_path: pathlib.Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TESSERA_MAX_INPUT_CHARS=str(MAX_INPUT_CHARS))
+    # a load of a second, so that the health test sees the service refuse calls while it loads
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TESSERA_MAX_INPUT_CHARS=str(MAX_INPUT_CHARS),
+               TESSERA_TOKENIZER_TEST_LOAD_DELAY_S="1")
     log = open(log_path, "wb")
     return subprocess.Popen(
         [sys.executable, "-m", "tessera_tokenizer", "--host", HOST, "--port", str(port), *args],

@@ -24,6 +24,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -381,6 +382,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# Test-only: seconds the load waits before it starts (the health tests watch the service refuse
+# calls while it loads, which a fast load leaves too little time to see).
+LOAD_DELAY_ENV = "TESSERA_TOKENIZER_TEST_LOAD_DELAY_S"
+
+
 def _load_in_background(model: str | None, chat_template: str | None) -> asyncio.Future:
     """Load the tokenizer in a daemon thread (so a signal during loading can exit at once)."""
     loop = asyncio.get_running_loop()
@@ -388,6 +394,9 @@ def _load_in_background(model: str | None, chat_template: str | None) -> asyncio
 
     def load() -> None:
         try:
+            delay = float(os.environ.get(LOAD_DELAY_ENV) or 0)
+            if delay > 0:  # test-only: a load slow enough to be seen from outside
+                time.sleep(delay)
             result: Any = Tokenizer.load(model, chat_template)
             loop.call_soon_threadsafe(_settle, future, result, None)
         except BaseException as exc:  # reported through the future

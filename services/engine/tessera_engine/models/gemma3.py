@@ -60,15 +60,6 @@ class Gemma3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn.scale = config.query_pre_attn_scalar ** -0.5
 
-    def _normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
-        T, d = qkv.shape[0], self.head_dim
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # with one KV head (Gemma 3 270M / 1B) k's reshape is a strided view of qkv; the norm
-        # kernels take contiguous rows
-        q = self.q_norm(q.reshape(T * self.num_heads, d).contiguous()).view(T, self.q_size)
-        k = self.k_norm(k.reshape(T * self.num_kv_heads, d).contiguous()).view(T, self.kv_size)
-        return torch.cat([q, k, v], dim=-1)
-
 
 class Gemma3MLP(LlamaMLP):
     def forward(self, x):

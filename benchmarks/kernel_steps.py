@@ -116,6 +116,10 @@ QUANTIZED_SHAPES = {
     "gemma3": [("q", 1024, 640, 6, 18), ("k / v", 256, 640, 6, 18), ("gate_up", 4096, 640, 6, 18),
                ("o", 640, 1024, 12, 18), ("down", 640, 2048, 12, 9), ("down", 640, 2048, 14, 9),
                ("lm_head", 262144, 640, 8, 1)],
+    # Llama-3.2-1B's shapes (benchmarks/peers/random_llama.py's Q4_0 file: every matrix Q4_0, the
+    # tied embedding too): hidden 2048, 32 heads and 8 KV heads of 64, intermediate 8192, 16 layers
+    "llama1b": [("qkv", 3072, 2048, 2, 16), ("o", 2048, 2048, 2, 16), ("gate_up", 16384, 2048, 2, 16),
+                ("down", 2048, 8192, 2, 16), ("lm_head", 128256, 2048, 2, 1)],
 }
 QTYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 # ggml type -> (weights, bytes) of a block, and where its float16 scale fields lie
@@ -169,7 +173,7 @@ def quantized_main(k, args) -> int:
                "kernels": getattr(k, "__file__", None), "steps": []}
     print(f"{args.quantized}: microseconds a call (median of {args.repeats}); kernels {results['kernels']}")
     print(f"{'matmul':8s} {'N x K':>13s} {'type':5s} {'rows':>4s} {'int8':>8s} {'exact':>8s} {'bf16':>8s} {'int8 GB/s':>9s}")
-    for rows in (1, 64):
+    for rows in args.rows:
         for r in quantized_step(k, args.quantized, rows, args.repeats, args.wait_quiet):
             results["steps"].append(r)
             print(f"{r['name']:8s} {r['N']:>6d} x {r['K']:<5d} {r['type']:5s} {rows:4d} {r['int8_us']:8.1f} "
@@ -195,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON results (default: results/kernel_steps[_quantized_MODEL].json)")
     ap.add_argument("--quantized", choices=sorted(QUANTIZED_SHAPES), default=None,
                     help="time the quantized matmuls of this model's file instead (see above)")
+    ap.add_argument("--rows", type=lambda v: [int(x) for x in v.split(",")], default=[1, 64],
+                    help="with --quantized: the batch sizes timed (default 1,64)")
     ap.add_argument("--prebuilt", default=None, help="a build of the kernels to load instead of this tree's")
     args = ap.parse_args(argv)
     args.out = args.out or str(REPO / "results" / (f"kernel_steps_quantized_{args.quantized}.json" if args.quantized

@@ -193,10 +193,10 @@ struct QuantizedActivations {
   std::vector<int8_t> q;
   std::vector<float> scale;   // [M, K / 16]: dx of each half block
   // [M, K / 32]: dx0 (sum of half 0's quants) + dx1 (half 1's): what a weight block's constant
-  // multiplies (Q4_1's minimum)
+  // multiplies (Q4_1's minimum, and the unsigned quants' offset as one: -off d)
   std::vector<float> offset;
-  // [M, K / 16]: the sum of each half block's quants (Q4_0's and Q8_0's offset of the unsigned
-  // quants, taken back out of the integer sums: in float the large sums would cancel)
+  // [M, K / 16]: the sum of each half block's quants (Q8_0S's offset of the unsigned quants,
+  // taken back out of the integer sums: its two weight scales a block make no one minimum)
   std::vector<int32_t> sum;
 };
 
@@ -254,6 +254,12 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
                        const float* bias, T* y, int64_t N, int64_t g) {
   constexpr int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
   constexpr int32_t off = qt == kQ4_0 ? 8 : qt == kQ5_0X ? 16 : q8_quants(qt) ? 128 : 0;  // the unsigned quants' offset
+  // With one weight scale a block, the offset is a minimum of -off d: one float multiply-add a
+  // row with the activations' offset term, where taking off xs out of both integer sums cost four
+  // vector instructions a row (Q8_0S's two scales keep the integer way). The float sums are then
+  // up to 16 x 255 x 127 before the offset comes off: exact in float32 (< 2^24), and the
+  // cancellation's rounding (~1e-7 of them) is far below the activations' int8 rounding.
+  constexpr bool off_as_min = off != 0 && qt != kQ8_0S;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
@@ -295,10 +301,11 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
     __m512 mn = _mm512_setzero_ps();  // the second field: the minimum (Q4_1, Q4_1F) or d1 (Q8_0S)
     if constexpr (qt == kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb + 32)));
     if constexpr (qt == kQ4_1F || qt == kQ8_0S) mn = _mm512_loadu_ps(blk + qb + 64);
+    if constexpr (off_as_min) mn = _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(off)));
     for (int i = 0; i < MT; ++i) {
       const int64_t m = m0 + i;
       const float* dx = a.scale.data() + (m * nb + b) * 2;
-      if constexpr (off != 0) {  // exactly, in the integer sums
+      if constexpr (off != 0 && !off_as_min) {  // exactly, in the integer sums
         const int32_t* xs = a.sum.data() + (m * nb + b) * 2;
         s0[i] = _mm512_sub_epi32(s0[i], _mm512_set1_epi32(off * xs[0]));
         s1[i] = _mm512_sub_epi32(s1[i], _mm512_set1_epi32(off * xs[1]));
@@ -311,7 +318,7 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
         t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0]), t);
         acc[i] = _mm512_fmadd_ps(t, d, acc[i]);
       }
-      if constexpr (has_min(qt)) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.offset[m * nb + b]), acc[i]);
+      if constexpr (has_min(qt) || off_as_min) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.offset[m * nb + b]), acc[i]);
     }
   }
   for (int i = 0; i < MT; ++i) {

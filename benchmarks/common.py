@@ -286,11 +286,20 @@ def environment(packages: Sequence[str] = ("torch", "transformers")) -> dict:
     """What a result was measured on: Python, the given packages' versions (and torch's thread
     count when torch is one), the CPU, the git commit (`-dirty` with uncommitted changes), load, time."""
     cpu = platform.processor() or ""
+    fields: dict = {}
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+        cpu = fields.get("model name", cpu)
     except OSError:
         pass
+    # A VM may name only the vendor ("AMD EPYC"): the family and model tell Zen 4 (25 / 17) from
+    # Zen 5 (26 / ...), and the flags what the kernels can use
+    flags = set(fields.get("flags", "").split())
+    cpu_id = {"cpu_family": fields.get("cpu family"), "cpu_model": fields.get("model"),
+              "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx_vnni")))}
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -307,6 +316,7 @@ def environment(packages: Sequence[str] = ("torch", "transformers")) -> dict:
     return info | {
         "cpu_count": os.cpu_count(),
         "cpu": cpu,
+        **cpu_id,
         "platform": platform.platform(),
         "git_commit": commit + ("-dirty" if dirty else ""),
         "loadavg": list(os.getloadavg()),

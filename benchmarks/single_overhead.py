@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""What the three-service stack adds to one request's decode time (issue 33: <= 10%), measured
+pair by pair.
+
+Two sides, both at their defaults and both resident the whole run:
+  served      the three services (`servers.TesseraServer`, as serve_vs_vllm.py starts them),
+              one streamed chat request over the OpenAI HTTP API with tessera bench's client;
+              TPOT = (last content chunk - first) / (tokens - 1)
+  inprocess   an EngineCore in a worker process of its own (this file with --worker, tcmalloc
+              preloaded as the engine service preloads it), stepped alone; TPOT from the
+              times the steps return the first and the last token
+Each pair is one request of --tokens (greedy, ignore_eos) on the same chat prompt on each side,
+the order switching pair by pair, so the machine's drift (10-30% from one minute to the next
+on the development machines) hits both sides of a pair alike: serve_vs_vllm.py's figure for
+the same thing compares runs minutes apart. Also the CPU each stack process and this client
+spend per served token (psutil), which says where the added time goes: on 2 cores, every
+other process's work of a token preempts one of the engine's two OpenMP threads.
+
+Last line: `single_tpot_added=<median over pairs of served TPOT / in-process TPOT - 1>`.
+
+    python benchmarks/single_overhead.py                 # 2 x 4 pairs, ~3 min
+    python benchmarks/single_overhead.py --pairs 2 --rounds 1 --tokens 32 --wait-quiet 0   # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+REPO = BENCHMARKS.parent
+
+
+def worker(prompt_json: str, tokens: int) -> None:
+    """The in-process side: one EngineCore at its defaults; a request per line read on stdin,
+    its TPOT printed."""
+    from tessera_engine.backend_plan import plan_backends
+    from tessera_engine.config import EngineConfig
+    from tessera_engine.core import EngineCore
+    from tessera_engine.request import EngineCoreRequest
+    from tessera_engine.sampling_params import SamplingParams
+
+    config = EngineConfig()
+    _, loaded = plan_backends(config)
+    core = EngineCore(config, loaded)
+    ids = json.loads(prompt_json)
+    print("READY", flush=True)
+    for k, _ in enumerate(sys.stdin):
+        core.add_request(EngineCoreRequest(f"r{k}", ids, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                                        ignore_eos=True)))
+        times: list[float] = []
+        while core.has_unfinished():
+            for o in core.step():
+                times += [time.perf_counter()] * len(o.new_token_ids)
+        print(f"TPOT {(times[-1] - times[0]) / (len(times) - 1)} {len(times)}", flush=True)
+
+
+class InProcess:
+    """The worker process and its request / TPOT lines."""
+
+    def __init__(self, prompt_ids: list[int], tokens: int) -> None:
+        from tessera_engine import allocator
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        lib = allocator.find_tcmalloc()
+        if lib:  # as the engine service runs (it re-executes itself with tcmalloc preloaded)
+            env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
+        self.tcmalloc = lib
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(prompt_ids), str(tokens)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env)
+        self._until("READY")
+
+    def _until(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line
+        raise RuntimeError(f"the in-process worker exited ({self.proc.wait()}) before {prefix}")
+
+    def tpot(self) -> tuple[float, int]:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        _, tpot, n = self._until("TPOT").split()
+        return float(tpot), int(n)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2, help="stack + worker starts (default 2)")
+    ap.add_argument("--pairs", type=int, default=4, help="pairs of requests a round (default 4)")
+    ap.add_argument("--tokens", type=int, default=256, help="output tokens a request (default 256)")
+    ap.add_argument("--wait-quiet", type=float, default=20.0,
+                    help="wait up to this many seconds for other processes to go quiet before each round")
+    ap.add_argument("--startup-timeout", type=float, default=300.0)
+    ap.add_argument("--out", default=str(REPO / "results" / "single_overhead.json"))
+    ap.add_argument("--worker", nargs=2, metavar=("PROMPT_IDS", "TOKENS"), help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker[0], int(args.worker[1]))
+        return 0
+
+    import psutil
+    from transformers import AutoTokenizer
+
+    from common import chat_prompts, environment, log, questions, wait_for_quiet
+    from measure import sequential
+    from servers import TesseraServer
+    from tessera.bench.metrics import median
+    from tessera.common.model_source import resolve_model
+
+    src = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+    question = questions(3)[2]
+    prompt_ids = chat_prompts(tok, 3)[2]
+    del tok
+
+    me = psutil.Process()
+    pairs: list[dict] = []
+    cpu_per_token: dict[str, list[float]] = {}
+    for r in range(args.rounds):
+        wait_for_quiet(args.wait_quiet, log=log)
+        server = TesseraServer(args.startup_timeout)
+        server.start()
+        inproc = InProcess(prompt_ids, args.tokens)
+        try:
+            procs = {role: psutil.Process(p.pid) for role, p in server.procs.items()}
+
+            def served() -> float:
+                res = asyncio.run(sequential(server.root_url, server.model_id, [question], args.tokens))[0]
+                if not res.success or res.output_tokens != args.tokens:
+                    raise RuntimeError(f"served request: {res.error or res.output_tokens} tokens")
+                return (res.last_token - res.start - res.ttft) / (res.output_tokens - 1)
+
+            served(), inproc.tpot()  # warm-up: first shapes, the client's connection
+            time.sleep(1.0)
+            wait_for_quiet(args.wait_quiet, log=log)
+            for i in range(args.pairs):
+                sides = ("served", "inprocess") if (i + r) % 2 == 0 else ("inprocess", "served")
+                got = {}
+                for side in sides:
+                    if side == "served":
+                        c0 = {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
+                        m0 = sum(me.cpu_times()[:2])
+                        got["served"] = served()
+                        for k, p in procs.items():
+                            cpu_per_token.setdefault(k, []).append((sum(p.cpu_times()[:2]) - c0[k]) / args.tokens)
+                        cpu_per_token.setdefault("client", []).append((sum(me.cpu_times()[:2]) - m0) / args.tokens)
+                    else:
+                        got["inprocess"], n = inproc.tpot()
+                        if n != args.tokens:
+                            raise RuntimeError(f"in-process request: {n} tokens")
+                pairs.append({"round": r, "first": sides[0], **got, "ratio": got["served"] / got["inprocess"]})
+                log(f"round {r} pair {i}: served {got['served'] * 1e3:.2f} ms, in-process "
+                    f"{got['inprocess'] * 1e3:.2f} ms, {got['served'] / got['inprocess']:.3f}")
+        finally:
+            inproc.close()
+            server.stop()
+
+    ratio = median(p["ratio"] for p in pairs)
+    cpu = {k: median(v) * 1e3 for k, v in cpu_per_token.items()}
+    print(f"\none request of {args.tokens} tokens, {len(pairs)} pairs (served over HTTP, in-process EngineCore)")
+    print(f"  TPOT served     median {median(p['served'] for p in pairs) * 1e3:7.2f} ms")
+    print(f"  TPOT in-process median {median(p['inprocess'] for p in pairs) * 1e3:7.2f} ms")
+    print(f"  served / in-process, median over pairs: {ratio:.3f} (target <= 1.10)")
+    print("  CPU ms per served token: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"},
+                               "environment": environment(), "tcmalloc_inprocess": inproc.tcmalloc,
+                               "pairs": pairs, "cpu_ms_per_served_token": cpu, "ratio_median": ratio}, indent=1))
+    print(f"results: {out}")
+    print(f"single_tpot_added={ratio - 1:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,8 @@ it on the same machine. Last line: `matmul_64_ms=`.
 
 --quantized MODEL instead: each quantized matmul of MODEL's GGUF file (smollm2: the default
 model, Q4_1 layers and a Q8_0 lm_head; gemma3: Gemma 3 270M's Q4_K_M file, Q5_0 / Q4_K / Q6_K /
-Q8_0) at 1 and 64 rows, as one decode step runs it: each layer's own weight (random blocks of
+Q8_0; llama1b: Llama-3.2-1B's shapes, every matrix Q4_0, as benchmarks/peers/random_llama.py writes
+them) at 1 and 64 rows (--rows), as one decode step runs it: each layer's own weight (random blocks of
 the file's type), so they stream from memory as in the engine. Per shape, microseconds a call
 on the int8 matmul (qlinear_i8, repacked), the exact one (qlinear on the file's blocks) and
 the dense bfloat16 one (linear_bf16), and the GB/s of the file's bytes the int8 one reads.

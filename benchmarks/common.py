@@ -257,6 +257,18 @@ def foreign_load(window_s: float = 1.0) -> float | None:
     return max(0.0, system_busy_s() - busy0 - own) / window_s
 
 
+def add_run_flags(ap, results_name: str, startup_timeout_s: float = 900.0) -> None:
+    """The flags every benchmark that starts servers takes: --wait-quiet, --startup-timeout and
+    --out (default results/<results_name>.json)."""
+    ap.add_argument("--wait-quiet", type=float, default=20.0,
+                    help="before each measurement wait up to this many seconds for other processes to use "
+                         "< 0.3 cores (0 = never wait)")
+    ap.add_argument("--startup-timeout", type=float, default=startup_timeout_s,
+                    help=f"seconds a server may take to start (default {startup_timeout_s:g})")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  "results", f"{results_name}.json"))
+
+
 def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.3, log: Callable[[str], None] | None = None) -> float:
     """Wait (at most max_wait_s) until other processes use under threshold_cores; returns seconds waited.
 

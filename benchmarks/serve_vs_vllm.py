@@ -73,7 +73,7 @@ import time
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import environment, log, questions  # noqa: E402
+from common import add_run_flags, environment, log, questions  # noqa: E402
 from inprocess import agreement, run_inprocess, worker_tessera  # noqa: E402
 from measure import measure_server  # noqa: E402
 from peers import cache_dir, hf_dir, tcmalloc, vllm_cpu  # noqa: E402
@@ -81,7 +81,6 @@ from servers import LlamaServer, TesseraServer, VllmServer  # noqa: E402
 
 from tessera.bench.metrics import median  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 VLLM_VERSION = vllm_cpu.VERSION
 HF_DIR_NAME = hf_dir.NAME
 
@@ -108,15 +107,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "on a machine without the CPU wheel on disk)")
     ap.add_argument("--no-tcmalloc", action="store_true", help="vLLM without LD_PRELOAD of tcmalloc/libiomp5")
     ap.add_argument("--vllm-kvcache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
-    ap.add_argument("--wait-quiet", type=float, default=20.0,
-                    help="before each measurement wait up to this many seconds for other processes to use "
-                         "< 0.3 cores (0 = never wait)")
     ap.add_argument("--random-1b", choices=["Q4_0", "Q8_0", "BF16"], default=None,
                     help="instead of the default model: a Llama of 1B shapes with random weights "
                          "(peers/random_llama.py, written once), this GGUF for tessera and llama-server, "
                          "its safetensors for vLLM; implies --skip-inprocess")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--out", default=str(REPO / "results" / "serve_vs_vllm.json"))
+    add_run_flags(ap, "serve_vs_vllm")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: hf-dir | tessera-inprocess
     ap.add_argument("--worker-arg", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -36,7 +36,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
-REPO = BENCHMARKS.parent
+from common import add_run_flags  # noqa: E402
 
 
 def worker(prompt_json: str, tokens: int) -> None:
@@ -101,10 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2, help="stack + worker starts (default 2)")
     ap.add_argument("--pairs", type=int, default=4, help="pairs of requests a round (default 4)")
     ap.add_argument("--tokens", type=int, default=256, help="output tokens a request (default 256)")
-    ap.add_argument("--wait-quiet", type=float, default=20.0,
-                    help="wait up to this many seconds for other processes to go quiet before each round")
-    ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--out", default=str(REPO / "results" / "single_overhead.json"))
+    add_run_flags(ap, "single_overhead", startup_timeout_s=300)
     ap.add_argument("--worker", nargs=2, metavar=("PROMPT_IDS", "TOKENS"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 

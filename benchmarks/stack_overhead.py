@@ -82,7 +82,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_engine_flags, engine_config, environment, log, measure_usage, questions,  # noqa: E402
+from common import (add_engine_flags, add_run_flags, engine_config, environment, log, measure_usage, questions,  # noqa: E402
                     wait_for_quiet)
 
 from tessera import launch  # noqa: E402
@@ -96,7 +96,6 @@ from tessera_engine.backend_plan import plan_backends  # noqa: E402
 from tessera_engine.request import EngineCoreRequest  # noqa: E402
 from tessera_engine.sampling_params import SamplingParams  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 HOST = launch.HOST
 TARGETS = {"stack_vs_inprocess": 0.95, "ttft_added_ms": 10.0}
 
@@ -119,11 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "last, the client, frontend and tokenizer on the last (see above)")
     ap.add_argument("--ttft-probes", type=int, default=16, help="isolated requests per side for TTFT (0: none)")
     ap.add_argument("--no-engine-side", action="store_true", help="skip the engine-service-alone diagnostic")
-    ap.add_argument("--wait-quiet", type=float, default=20.0,
-                    help="before each measurement wait up to this many seconds for other processes "
-                         "to use < 0.3 cores (0 = never wait)")
-    ap.add_argument("--startup-timeout", type=float, default=600.0)
-    ap.add_argument("--out", default=str(REPO / "results" / "stack_overhead.json"))
+    add_run_flags(ap, "stack_overhead", startup_timeout_s=600)
     return ap.parse_args(argv)
 
 

@@ -32,7 +32,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import grpc  # noqa: E402
-from common import environment, log, questions, wait_for_quiet  # noqa: E402
+from common import add_run_flags, environment, log, questions, wait_for_quiet  # noqa: E402
 from measure import batch_summary, burst  # noqa: E402
 from proctree import CpuWindow  # noqa: E402
 from servers import TesseraServer  # noqa: E402
@@ -40,7 +40,6 @@ from servers import TesseraServer  # noqa: E402
 from tessera import launch  # noqa: E402
 from tessera.bench.metrics import median  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 TARGET = 0.97
 TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
@@ -129,10 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=6, help="rounds; each measures both sides, the order alternating (6: one run swings by more than the 3%% target)")
     ap.add_argument("--concurrency", type=int, default=64, help="chat prompts sent at once")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    ap.add_argument("--wait-quiet", type=float, default=20.0,
-                    help="seconds to wait at most for other processes to use < 0.3 cores before each measurement")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--out", default=str(REPO / "results" / "tracing_overhead.json"))
+    add_run_flags(ap, "tracing_overhead")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.concurrency < 1 or args.max_tokens < 2:
         ap.error("--rounds and --concurrency must be >= 1, --max-tokens >= 2")

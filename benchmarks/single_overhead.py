@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from common import chat_prompts, environment, log, questions, wait_for_quiet
-    from measure import sequential
+    from measure import sequential, single_summary
     from servers import TesseraServer
     from tessera.bench.metrics import median
     from tessera.common.model_source import resolve_model
@@ -139,10 +139,9 @@ def main(argv=None) -> int:
             procs = {role: psutil.Process(p.pid) for role, p in server.procs.items()}
 
             def served() -> float:
-                res = asyncio.run(sequential(server.root_url, server.model_id, [question], args.tokens))[0]
-                if not res.success or res.output_tokens != args.tokens:
-                    raise RuntimeError(f"served request: {res.error or res.output_tokens} tokens")
-                return (res.last_token - res.start - res.ttft) / (res.output_tokens - 1)
+                # measure.py's single-request figures (its check that every token streamed, too)
+                res = asyncio.run(sequential(server.root_url, server.model_id, [question], args.tokens))
+                return 1.0 / single_summary(res, args.tokens)["decode_tokens_per_s"]
 
             served(), inproc.tpot()  # warm-up: first shapes, the client's connection
             time.sleep(1.0)

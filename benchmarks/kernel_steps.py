@@ -187,7 +187,8 @@ def quantized_main(k, args) -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print(f"int8_step_1_ms={results['step_ms_1']['int8']:.3f}")
+    first = args.rows[0]  # --rows 16 alone has no 1-row step
+    print(f"int8_step_{first}_ms={results[f'step_ms_{first}']['int8']:.3f}")
     return 0
 
 

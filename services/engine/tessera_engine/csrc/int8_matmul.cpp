@@ -73,6 +73,14 @@ constexpr bool has_min(int64_t lt) { return lt == kQ4_1 || lt == kQ4_1F; }
 constexpr int64_t scale_bytes(int64_t lt) { return lt == kQ4_1F || lt == kQ8_0S ? 4 : 2; }   // float32 or float16
 constexpr int64_t scale_fields(int64_t lt) { return has_min(lt) || lt == kQ8_0S ? 2 : 1; }  // d (, m or d1)
 
+// the unsigned quants' offset (the file's signed value is q - off), and whether it is taken off as
+// a minimum of -off d in float (one weight scale a block) rather than out of the integer sums
+// (Q8_0S: two scales a block make no one minimum)
+constexpr int32_t unsigned_offset(int64_t lt) { return lt == kQ4_0 ? 8 : lt == kQ5_0X ? 16 : q8_quants(lt) ? 128 : 0; }
+constexpr bool offset_as_min(int64_t lt) { return unsigned_offset(lt) != 0 && lt != kQ8_0S; }
+// what quantize_activations multiplies each block's activation term by (QuantizedActivations::offset)
+constexpr float offset_factor(int64_t lt) { return offset_as_min(lt) ? -static_cast<float>(unsigned_offset(lt)) : 1.f; }
+
 // a group's quants of one block (Q5_0X: the nibbles, then a vector of fifth bits)
 constexpr int64_t quant_bytes(int64_t lt) { return q8_quants(lt) ? 512 : lt == kQ5_0X ? 320 : 256; }
 
@@ -192,8 +200,9 @@ void check_repacked(const at::Tensor& wp, int64_t qt, int64_t K, const char* wha
 struct QuantizedActivations {
   std::vector<int8_t> q;
   std::vector<float> scale;   // [M, K / 16]: dx of each half block
-  // [M, K / 32]: dx0 (sum of half 0's quants) + dx1 (half 1's): what a weight block's constant
-  // multiplies (Q4_1's minimum, and the unsigned quants' offset as one: -off d)
+  // [M, K / 32]: c (dx0 (sum of half 0's quants) + dx1 (half 1's)): what a weight block's
+  // constant multiplies. c = 1 for Q4_1's minimum (m c); c = -off for the unsigned quants' offset,
+  // which then joins the half sums before their one multiply by d (offset_factor)
   std::vector<float> offset;
   // [M, K / 16]: the sum of each half block's quants (Q8_0S's offset of the unsigned quants,
   // taken back out of the integer sums: its two weight scales a block make no one minimum)
@@ -201,7 +210,7 @@ struct QuantizedActivations {
 };
 
 template <typename T>
-QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
+QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K, float factor) {
   const int64_t nh = K / 16;
   QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nh), std::vector<float>(M * nh / 2),
                          std::vector<int32_t>(M * nh)};
@@ -237,7 +246,7 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K) {
         a.scale[m * nh + h] = d;
         a.sum[m * nh + h] = s;
         if (h % 2 == 0) a.offset[m * nh / 2 + h / 2] = d * static_cast<float>(s);
-        else a.offset[m * nh / 2 + h / 2] += d * static_cast<float>(s);
+        else a.offset[m * nh / 2 + h / 2] = factor * (a.offset[m * nh / 2 + h / 2] + d * static_cast<float>(s));
       }
     }
   });
@@ -253,13 +262,14 @@ template <int64_t qt, int MT, typename T>
 inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivations& a, int64_t K, int64_t m0,
                        const float* bias, T* y, int64_t N, int64_t g) {
   constexpr int64_t gbb = group_block_bytes(qt), qb = quant_bytes(qt);
-  constexpr int32_t off = qt == kQ4_0 ? 8 : qt == kQ5_0X ? 16 : q8_quants(qt) ? 128 : 0;  // the unsigned quants' offset
-  // With one weight scale a block, the offset is a minimum of -off d: one float multiply-add a
-  // row with the activations' offset term, where taking off xs out of both integer sums cost four
-  // vector instructions a row (Q8_0S's two scales keep the integer way). The float sums are then
-  // up to 16 x 255 x 127 before the offset comes off: exact in float32 (< 2^24), and the
-  // cancellation's rounding (~1e-7 of them) is far below the activations' int8 rounding.
-  constexpr bool off_as_min = off != 0 && qt != kQ8_0S;
+  constexpr int32_t off = unsigned_offset(qt);
+  // With one weight scale a block, the offset is a minimum of -off d: the activations' offset
+  // term, already times -off, starts the row's float sum of the two halves, which d then scales
+  // (it had its own multiply-add: one in six of a row's block epilogue).
+  // Taking off xs out of both integer sums cost four vector instructions a row (Q8_0S's two
+  // scales keep the integer way). The half sums are up to 16 x 255 x 127: exact in float32
+  // (< 2^24), and the cancellation's rounding (~1e-7 of them) is far below the int8 rounding.
+  constexpr bool off_as_min = offset_as_min(qt);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
@@ -301,7 +311,6 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
     __m512 mn = _mm512_setzero_ps();  // the second field: the minimum (Q4_1, Q4_1F) or d1 (Q8_0S)
     if constexpr (qt == kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb + 32)));
     if constexpr (qt == kQ4_1F || qt == kQ8_0S) mn = _mm512_loadu_ps(blk + qb + 64);
-    if constexpr (off_as_min) mn = _mm512_mul_ps(d, _mm512_set1_ps(-static_cast<float>(off)));
     for (int i = 0; i < MT; ++i) {
       const int64_t m = m0 + i;
       const float* dx = a.scale.data() + (m * nb + b) * 2;
@@ -313,12 +322,16 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
       if constexpr (qt == kQ8_0S) {  // each half its own weight scale
         acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0])), d, acc[i]);
         acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1])), mn, acc[i]);
+      } else if constexpr (off_as_min) {  // d (dx0 s0 + dx1 s1 - off c)
+        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]), _mm512_set1_ps(a.offset[m * nb + b]));
+        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0]), t);
+        acc[i] = _mm512_fmadd_ps(t, d, acc[i]);
       } else {
         __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i]), _mm512_set1_ps(dx[1]));
         t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[i]), _mm512_set1_ps(dx[0]), t);
         acc[i] = _mm512_fmadd_ps(t, d, acc[i]);
       }
-      if constexpr (has_min(qt) || off_as_min) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.offset[m * nb + b]), acc[i]);
+      if constexpr (has_min(qt)) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.offset[m * nb + b]), acc[i]);
     }
   }
   for (int i = 0; i < MT; ++i) {
@@ -387,7 +400,7 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
   const int64_t lt = layout_of(qt), gstride = nb * group_block_bytes(lt);
   dispatch_float_bf16(x.scalar_type(), "qlinear_i8: activations", [&](auto tag) {
     using T = decltype(tag);
-    const QuantizedActivations a = quantize_activations(x.data_ptr<T>(), M, K);
+    const QuantizedActivations a = quantize_activations(x.data_ptr<T>(), M, K, offset_factor(lt));
     T* yp = out.data_ptr<T>();
     auto groups = [&](auto qtag) {
       constexpr int64_t QT = decltype(qtag)::value;

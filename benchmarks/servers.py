@@ -109,6 +109,7 @@ class TesseraServer(Server):
         model = ["--model", self.model] if self.model else []
         stack = launch.Stack(self.log_dir, http_port=self.http_port, base_env=base, bind_host=False,
                              engine_args=model + self.engine_args, tokenizer_args=model)
+        self.stack = stack  # its services' gRPC addresses (single_overhead.py's engine side)
         for service in stack.services:
             service.metrics_port = launch.free_port()
             service.start()

@@ -16,10 +16,22 @@ the same thing compares runs minutes apart. Also the CPU each stack process and 
 spend per served token (psutil), which says where the added time goes: on 2 cores, every
 other process's work of a token preempts one of the engine's two OpenMP threads.
 
+--engine-side adds a third side to each pair, between the two: the same request (the prompt's
+token ids) on a Session stream straight to the stack's engine service, which splits the added time
+into the engine service's part (engine / in-process) and the frontend, tokenizer and HTTP part
+(served / engine).
+
+--peer llama.cpp measures llama.cpp's own stack the same way, as the reference for what a server
+adds on the machine: `llama-server` (as serve_vs_vllm.py starts it) on the default model's GGUF
+against a resident llama-cpp-python worker on the same file (peers/llama_cpp_python.py; TPOT from
+its generate loop's first and last token, and also one llama_decode alone, no sampling).
+
 Last line: `single_tpot_added=<median over pairs of served TPOT / in-process TPOT - 1>`.
 
     python benchmarks/single_overhead.py                 # 2 x 4 pairs, ~3 min
     python benchmarks/single_overhead.py --pairs 2 --rounds 1 --tokens 32 --wait-quiet 0   # smoke
+    python benchmarks/single_overhead.py --engine-side     # + the engine service alone, ~4 min
+    python benchmarks/single_overhead.py --peer llama.cpp   # llama-server against llama.cpp in-process
 """
 from __future__ import annotations
 
@@ -63,21 +75,56 @@ def worker(prompt_json: str, tokens: int) -> None:
         print(f"TPOT {(times[-1] - times[0]) / (len(times) - 1)} {len(times)}", flush=True)
 
 
-class InProcess:
-    """The worker process and its request / TPOT lines."""
+async def engine_direct_tpot(addr: str, prompt_ids: list[int], tokens: int) -> tuple[float, int]:
+    """One greedy request on a Session stream straight to the engine service (no frontend, no
+    tokenizer, no HTTP): TPOT from the arrival of its first and last token, and the tokens."""
+    import grpc
 
-    def __init__(self, prompt_ids: list[int], tokens: int) -> None:
+    from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    stamps: list[float] = []
+    async with grpc.aio.insecure_channel(addr) as channel:
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def inputs():
+            while (message := await outbox.get()) is not None:
+                yield message
+
+        call = engine_pb2_grpc.EngineServiceStub(channel).Session(inputs())
+        outbox.put_nowait(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
+            request_id="single-overhead", prompt_token_ids=prompt_ids, sampling_params=params)]))
+        async for step in call:
+            now = time.perf_counter()
+            done = False
+            for o in step.outputs:
+                stamps += [now] * len(o.new_token_ids)
+                done = done or o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+            if done:
+                break
+        outbox.put_nowait(None)
+        call.cancel()
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1), len(stamps)
+
+
+class InProcess:
+    """A resident worker process and its request / TPOT lines: `TPOT <seconds> [<seconds alone>] <tokens>`."""
+
+    def __init__(self, command: list[str], env: dict, tcmalloc: str | None = None) -> None:
+        self.tcmalloc = tcmalloc
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=env)
+        self._until("READY")
+
+    @classmethod
+    def tessera(cls, prompt_ids: list[int], tokens: int) -> "InProcess":
         from tessera_engine import allocator
 
         env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
         lib = allocator.find_tcmalloc()
         if lib:  # as the engine service runs (it re-executes itself with tcmalloc preloaded)
             env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib
-        self.tcmalloc = lib
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(prompt_ids), str(tokens)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=env)
-        self._until("READY")
+        return cls([sys.executable, __file__, "--worker", json.dumps(prompt_ids), str(tokens)], env, lib)
 
     def _until(self, prefix: str) -> str:
         for line in self.proc.stdout:
@@ -85,11 +132,12 @@ class InProcess:
                 return line
         raise RuntimeError(f"the in-process worker exited ({self.proc.wait()}) before {prefix}")
 
-    def tpot(self) -> tuple[float, int]:
+    def tpot(self) -> tuple[float, float | None, int]:
+        """TPOT, the decode alone where the worker times it (llama.cpp), tokens."""
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        _, tpot, n = self._until("TPOT").split()
-        return float(tpot), int(n)
+        fields = self._until("TPOT").split()[1:]
+        return float(fields[0]), float(fields[1]) if len(fields) == 3 else None, int(fields[-1])
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -101,9 +149,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2, help="stack + worker starts (default 2)")
     ap.add_argument("--pairs", type=int, default=4, help="pairs of requests a round (default 4)")
     ap.add_argument("--tokens", type=int, default=256, help="output tokens a request (default 256)")
+    ap.add_argument("--peer", choices=("tessera", "llama.cpp"), default="tessera",
+                    help="whose stack: tessera's three services, or llama-server against llama.cpp in-process")
+    ap.add_argument("--engine-side", action="store_true",
+                    help="tessera: a third side, the same request on a Session stream straight to the stack's "
+                         "engine service, which splits the added time into the engine service's part and the "
+                         "frontend, tokenizer and HTTP part")
     add_run_flags(ap, "single_overhead", startup_timeout_s=300)
     ap.add_argument("--worker", nargs=2, metavar=("PROMPT_IDS", "TOKENS"), help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.peer != "tessera" and args.out == ap.get_default("out"):  # beside tessera's, not over it
+        args.out = args.out.replace("single_overhead.json", "single_overhead_llama_cpp.json")
+    return args
 
 
 def main(argv=None) -> int:
@@ -127,14 +184,25 @@ def main(argv=None) -> int:
     prompt_ids = chat_prompts(tok, 3)[2]
     del tok
 
+    def start_peer():  # a fresh server and in-process worker of the peer
+        if args.peer == "tessera":
+            return TesseraServer(args.startup_timeout), lambda: InProcess.tessera(prompt_ids, args.tokens)
+        from peers import llama_cpp_python, llama_server
+        from servers import LlamaServer
+
+        gguf = str(src.path)
+        py = llama_cpp_python.ensure_llama_cpp(llama_cpp_python.default_venv())
+        return (LlamaServer(args.startup_timeout, llama_server.ensure_llama_server(), gguf),
+                lambda: InProcess(llama_cpp_python.resident_command(py, gguf, prompt_ids, args.tokens), dict(os.environ)))
+
     me = psutil.Process()
     pairs: list[dict] = []
     cpu_per_token: dict[str, list[float]] = {}
     for r in range(args.rounds):
         wait_for_quiet(args.wait_quiet, log=log)
-        server = TesseraServer(args.startup_timeout)
+        server, start_inprocess = start_peer()
         server.start()
-        inproc = InProcess(prompt_ids, args.tokens)
+        inproc = start_inprocess()
         try:
             procs = {role: psutil.Process(p.pid) for role, p in server.procs.items()}
 
@@ -146,8 +214,11 @@ def main(argv=None) -> int:
             served(), inproc.tpot()  # warm-up: first shapes, the client's connection
             time.sleep(1.0)
             wait_for_quiet(args.wait_quiet, log=log)
+            engine_addr = server.stack.addr("engine") if args.engine_side and args.peer == "tessera" else None
             for i in range(args.pairs):
                 sides = ("served", "inprocess") if (i + r) % 2 == 0 else ("inprocess", "served")
+                if engine_addr:  # between the two, where the drift moves it least from either
+                    sides = (sides[0], "engine", sides[1])
                 got = {}
                 for side in sides:
                     if side == "served":
@@ -157,23 +228,38 @@ def main(argv=None) -> int:
                         for k, p in procs.items():
                             cpu_per_token.setdefault(k, []).append((sum(p.cpu_times()[:2]) - c0[k]) / args.tokens)
                         cpu_per_token.setdefault("client", []).append((sum(me.cpu_times()[:2]) - m0) / args.tokens)
+                    elif side == "engine":
+                        got["engine"], n = asyncio.run(engine_direct_tpot(engine_addr, prompt_ids, args.tokens))
+                        if n != args.tokens:
+                            raise RuntimeError(f"engine-direct request: {n} tokens")
                     else:
-                        got["inprocess"], n = inproc.tpot()
+                        got["inprocess"], alone, n = inproc.tpot()
+                        if alone is not None:
+                            got["inprocess_decode_alone"] = alone
                         if n != args.tokens:
                             raise RuntimeError(f"in-process request: {n} tokens")
                 pairs.append({"round": r, "first": sides[0], **got, "ratio": got["served"] / got["inprocess"]})
+                engine_note = f", engine service {got['engine'] * 1e3:.2f} ms" if "engine" in got else ""
                 log(f"round {r} pair {i}: served {got['served'] * 1e3:.2f} ms, in-process "
-                    f"{got['inprocess'] * 1e3:.2f} ms, {got['served'] / got['inprocess']:.3f}")
+                    f"{got['inprocess'] * 1e3:.2f} ms, {got['served'] / got['inprocess']:.3f}{engine_note}")
         finally:
             inproc.close()
             server.stop()
 
     ratio = median(p["ratio"] for p in pairs)
     cpu = {k: median(v) * 1e3 for k, v in cpu_per_token.items()}
-    print(f"\none request of {args.tokens} tokens, {len(pairs)} pairs (served over HTTP, in-process EngineCore)")
+    inside = "EngineCore" if args.peer == "tessera" else "llama-cpp-python"
+    print(f"\n{args.peer}: one request of {args.tokens} tokens, {len(pairs)} pairs (served over HTTP, in-process {inside})")
     print(f"  TPOT served     median {median(p['served'] for p in pairs) * 1e3:7.2f} ms")
     print(f"  TPOT in-process median {median(p['inprocess'] for p in pairs) * 1e3:7.2f} ms")
     print(f"  served / in-process, median over pairs: {ratio:.3f} (target <= 1.10)")
+    if all("engine" in p for p in pairs):
+        print(f"  TPOT engine service alone median {median(p['engine'] for p in pairs) * 1e3:7.2f} ms: "
+              f"engine / in-process {median(p['engine'] / p['inprocess'] for p in pairs):.3f}, "
+              f"served / engine {median(p['served'] / p['engine'] for p in pairs):.3f}")
+    if all("inprocess_decode_alone" in p for p in pairs):
+        print(f"  one llama_decode alone median {median(p['inprocess_decode_alone'] for p in pairs) * 1e3:7.2f} ms; "
+              f"served / that: {median(p['served'] / p['inprocess_decode_alone'] for p in pairs):.3f}")
     print("  CPU ms per served token: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -108,6 +108,39 @@ def _worker(gguf: str, prompt_ids: list[int], num_tokens: int) -> dict:
     return res
 
 
+def resident_command(py: pathlib.Path, gguf: str, prompt_ids: list[int], num_tokens: int) -> list[str]:
+    """A llama.cpp worker that stays up (single_overhead.py --peer llama.cpp): it prints READY once
+    loaded, then for each line read on stdin one greedy generation of the prompt, timed as
+    _worker's, as `TPOT <through generate> <one llama_decode alone> <tokens>`."""
+    return [str(py), __file__, "--resident-worker", "--gguf", gguf, "--tokens", str(num_tokens),
+            "--prompt-ids", ",".join(map(str, prompt_ids))]
+
+
+def _resident_worker(gguf: str, prompt_ids: list[int], num_tokens: int) -> None:
+    from llama_cpp import Llama
+
+    cores = os.cpu_count() or 1  # as _worker
+    llm = Llama(model_path=gguf, n_ctx=max(2048, len(prompt_ids) + num_tokens), n_batch=512, n_threads=cores,
+                n_threads_batch=cores, verbose=False)
+    print("READY", flush=True)
+    for _ in sys.stdin:
+        stamps, tokens = [], []
+        for tok in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            tokens.append(tok)
+            if len(tokens) >= num_tokens:
+                break
+        # the mean time a token (first to last), as the served TPOT is taken; then the same
+        # tokens fed back one llama_decode at a time, no sampling (llama-bench's tg)
+        llm.reset()
+        llm.eval(prompt_ids)
+        t = time.perf_counter()
+        for tok in tokens[:-1]:
+            llm.eval([tok])
+        evals = (time.perf_counter() - t) / (len(tokens) - 1)
+        print(f"TPOT {(stamps[-1] - stamps[0]) / (len(stamps) - 1)} {evals} {len(tokens)}", flush=True)
+
+
 def prompt_logits(py: pathlib.Path, gguf: str, prompts: list[list[int]], out: pathlib.Path) -> "np.ndarray":
     """llama.cpp's next-token logits at the end of each prompt (float32 [prompts, vocab]), each
     prompt evaluated alone from an empty cache, all cores, in a fresh worker of the llama.cpp
@@ -146,6 +179,7 @@ def main(argv=None) -> None:
     ap.add_argument("--venv", default=None, help="the llama.cpp venv (default <TESSERA_BENCH_CACHE>/llama-cpp-venv)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--logits-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--resident-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -155,6 +189,9 @@ def main(argv=None) -> None:
     ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
     if a.worker:
         print(json.dumps(_worker(a.gguf, ids, a.tokens)))
+        return
+    if a.resident_worker:
+        _resident_worker(a.gguf, ids, a.tokens)
         return
     if a.gguf is None:
         from tessera.common.model_source import resolve_model

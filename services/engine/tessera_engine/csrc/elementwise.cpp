@@ -114,6 +114,49 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // written to the cache rows slot_mapping[t]. cos, sin_signed [max_pos, d] tables in the
 // model's dtype (HF's rotate-half layout, the sign of rotate-half folded into sin). Rounds
 // as HF's `q * cos + rotate_half(q) * sin` in the model's dtype does.
+#if defined(__AVX512F__)
+// v rounded to the dtype and back (float32: v itself), as from_float then to_float would
+inline __m512 round_to(__m512 v, float) { return v; }
+inline __m512 round_to(__m512 v, c10::BFloat16) {
+  const __m512i u = _mm512_castps_si512(v);
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+// 16 values already rounded to the dtype, stored in it
+inline void store_rounded16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_rounded16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+// One token's heads: rotary on q (in place) and k (into the cache row kdst), the scalar loop's
+// products and sum rounded alike, 16 values of each half at a time, in registers (the scalar
+// loop's ten passes through buffers were 4% of a 64-row decode step). Separate multiplies and
+// adds, as the reference: no fused multiply-add in float32.
+template <typename T>
+__attribute__((noinline, optimize("fp-contract=off")))
+void rope_token_vec(T* r, const T* cp, const T* sp, int64_t num_heads, int64_t num_rotated, int64_t d, T* kdst) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < num_rotated; ++h) {
+    T* src = r + h * d;
+    T* dst = h < num_heads ? src : kdst + (h - num_heads) * d;
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 x0 = load16(src + i), x1 = load16(src + half + i);
+      // out[i] = x0 cos[i] + x1 sin[i]; out[half + i] = x1 cos[half + i] + x0 sin[half + i]
+      const __m512 lo = _mm512_add_ps(round_to(_mm512_mul_ps(x0, load16(cp + i)), T{}),
+                                      round_to(_mm512_mul_ps(x1, load16(sp + i)), T{}));
+      const __m512 hi = _mm512_add_ps(round_to(_mm512_mul_ps(x1, load16(cp + half + i)), T{}),
+                                      round_to(_mm512_mul_ps(x0, load16(sp + half + i)), T{}));
+      store_rounded16(dst + i, round_to(lo, T{}));
+      store_rounded16(dst + half + i, round_to(hi, T{}));
+    }
+  }
+}
+#endif
+
 at::Tensor rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                            const at::Tensor& sin_signed, at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
@@ -143,7 +186,28 @@ at::Tensor rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const a
     at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
       std::vector<float> c(d), sn(d), x(d), a(d), rb(d);
       std::vector<scalar_t> tmp(d);
+#if defined(__AVX512F__)
+      // the chunk's cache rows asked for at once: written one token at a time, each a miss
+      // (the pool's rows are cold) that had cost more than the rotary arithmetic
+      const int64_t kv_bytes = kv_row * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t o = 0; o < kv_bytes; o += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(kc + slots[t] * kv_row) + o, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vc + slots[t] * kv_row) + o, _MM_HINT_T0);
+        }
+#endif
       for (int64_t t = b; t < e; ++t) {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (half % 16 == 0) {  // (float16 caches, and other head sizes: the loop below)
+            scalar_t* r = xp + t * row;
+            rope_token_vec(r, cp + pos[t] * d, sp + pos[t] * d, num_heads, num_heads + num_kv_heads, d,
+                           kc + slots[t] * kv_row);
+            std::memcpy(vc + slots[t] * kv_row, r + (num_heads + num_kv_heads) * d, kv_row * sizeof(scalar_t));
+            continue;
+          }
+        }
+#endif
         to_float(cp + pos[t] * d, c.data(), d);
         to_float(sp + pos[t] * d, sn.data(), d);
         scalar_t* r = xp + t * row;

@@ -117,20 +117,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 #if defined(__AVX512F__)
 // v rounded to the dtype and back (float32: v itself), as from_float then to_float would
 inline __m512 round_to(__m512 v, float) { return v; }
-inline __m512 round_to(__m512 v, c10::BFloat16) {
-  const __m512i u = _mm512_castps_si512(v);
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(r);
-}
-// 16 values already rounded to the dtype, stored in it
-inline void store_rounded16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store_rounded16(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
+inline __m512 round_to(__m512 v, c10::BFloat16) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
 
 // One token's heads: rotary on q (in place) and k (into the cache row kdst), the scalar loop's
 // products and sum rounded alike, 16 values of each half at a time, in registers (the scalar
@@ -150,8 +137,8 @@ void rope_token_vec(T* r, const T* cp, const T* sp, int64_t num_heads, int64_t n
                                       round_to(_mm512_mul_ps(x1, load16(sp + i)), T{}));
       const __m512 hi = _mm512_add_ps(round_to(_mm512_mul_ps(x1, load16(cp + half + i)), T{}),
                                       round_to(_mm512_mul_ps(x0, load16(sp + half + i)), T{}));
-      store_rounded16(dst + i, round_to(lo, T{}));
-      store_rounded16(dst + half + i, round_to(hi, T{}));
+      store16(dst + i, lo);  // the sum rounded to T
+      store16(dst + half + i, hi);
     }
   }
 }

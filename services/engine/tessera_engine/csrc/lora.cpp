@@ -199,12 +199,7 @@ inline void add_scaled(T* y, const Acc& a, float scale, int n) {
     const __m256i yh = _mm256_maskz_loadu_epi16(m, y);
     const __m512 yv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(yh), 16));
     const __m512 v = _mm512_fmadd_ps(_mm512_set1_ps(scale), a, yv);
-    const __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16),
-                                _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(r));
+    _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(bf16_bits16(v)));
     return;
   }
 #endif

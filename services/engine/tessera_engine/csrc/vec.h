@@ -1,5 +1,5 @@
 // tessera's CPU kernels: the helpers the kernel families share (dtype conversion, dot,
-// dtype dispatch, AVX-512 loads and exp). Each file that includes this gets its own
+// dtype dispatch, AVX-512 loads, stores and exp). Each file that includes this gets its own
 // internal copy (an anonymous namespace), as when all the kernels were one file.
 #pragma once
 
@@ -23,6 +23,18 @@ namespace tessera {
 namespace {
 
 // ---- element conversion (vectorizes: bf16 -> f32 is a 16-bit shift) ----------------
+#if defined(__AVX512F__)
+// 16 floats rounded to bfloat16 as torch rounds them (to nearest even, NaN -> 0x7FC0): the
+// bits, in the low half of each 32-bit lane
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16),
+                                 _mm512_set1_epi32(0x7FC0));
+}
+#endif
+
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -49,14 +61,8 @@ inline void from_float<c10::BFloat16>(const float* src, c10::BFloat16* dst, int6
   uint16_t* d = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(src + i);
-    const __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_srli_epi32(r, 16), qnan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(bf16_bits16(_mm512_loadu_ps(src + i))));
 #endif
   for (; i < n; ++i) {
     uint32_t u;
@@ -106,6 +112,11 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// 16 floats stored in the dtype, rounded as from_float rounds
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
 }
 // The mask of lanes [0, m), 0 <= m <= 16.
 inline __mmask16 first_lanes(int64_t m) { return static_cast<__mmask16>((1u << m) - 1); }

@@ -245,6 +245,43 @@ def measure_usage(interval_s: float = 0.02, sample_rss: bool = True):
         usage.peak_rss_mib = max(usage.peak_rss_mib, _rss_bytes() / (1 << 20))
 
 
+async def engine_session(addr: str, requests: Sequence, sent: list[float] | None = None,
+                         channel_options: Sequence = ()):
+    """Requests (tessera.v1 EngineRequests) on one Session stream straight to an engine service
+    (no frontend, no tokenizer), all put on it at once as a frontend puts a burst (all but the
+    last say more are coming; `sent` gets the time of each). Yields (arrival time,
+    EngineStepOutputs) until every request has finished, then closes the stream."""
+    import asyncio
+
+    import grpc
+
+    from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    async with grpc.aio.insecure_channel(addr, options=list(channel_options)) as channel:
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def inputs():
+            while (message := await outbox.get()) is not None:
+                yield message
+
+        call = engine_pb2_grpc.EngineServiceStub(channel).Session(inputs())
+        try:
+            for i, request in enumerate(requests):
+                outbox.put_nowait(engine_pb2.SessionInput(add=[request], more_coming=i < len(requests) - 1))
+                if sent is not None:
+                    sent.append(time.perf_counter())
+            live = {r.request_id for r in requests}
+            async for step in call:
+                yield time.perf_counter(), step
+                live.difference_update(o.request_id for o in step.outputs
+                                       if o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED)
+                if not live:
+                    break
+        finally:
+            outbox.put_nowait(None)
+            call.cancel()
+
+
 def foreign_load(window_s: float = 1.0) -> float | None:
     """Cores kept busy by other processes over the next window_s seconds (call while idle)."""
     busy0 = system_busy_s()

@@ -78,32 +78,17 @@ def worker(prompt_json: str, tokens: int) -> None:
 async def engine_direct_tpot(addr: str, prompt_ids: list[int], tokens: int) -> tuple[float, int]:
     """One greedy request on a Session stream straight to the engine service (no frontend, no
     tokenizer, no HTTP): TPOT from the arrival of its first and last token, and the tokens."""
-    import grpc
+    from common import engine_session
 
-    from tessera.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+    from tessera.v1 import common_pb2, engine_pb2
 
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    request = engine_pb2.EngineRequest(request_id="single-overhead", prompt_token_ids=prompt_ids,
+                                       sampling_params=params)
     stamps: list[float] = []
-    async with grpc.aio.insecure_channel(addr) as channel:
-        outbox: asyncio.Queue = asyncio.Queue()
-
-        async def inputs():
-            while (message := await outbox.get()) is not None:
-                yield message
-
-        call = engine_pb2_grpc.EngineServiceStub(channel).Session(inputs())
-        outbox.put_nowait(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
-            request_id="single-overhead", prompt_token_ids=prompt_ids, sampling_params=params)]))
-        async for step in call:
-            now = time.perf_counter()
-            done = False
-            for o in step.outputs:
-                stamps += [now] * len(o.new_token_ids)
-                done = done or o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-            if done:
-                break
-        outbox.put_nowait(None)
-        call.cancel()
+    async for now, step in engine_session(addr, [request]):
+        for o in step.outputs:
+            stamps += [now] * len(o.new_token_ids)
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1), len(stamps)
 
 

@@ -82,14 +82,14 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_engine_flags, add_run_flags, engine_config, environment, log, measure_usage, questions,  # noqa: E402
-                    wait_for_quiet)
+from common import (add_engine_flags, add_run_flags, engine_config, engine_session, environment, log,  # noqa: E402
+                    measure_usage, questions, wait_for_quiet)
 
 from tessera import launch  # noqa: E402
 from tessera.bench.metrics import median  # noqa: E402
 from tessera.common import aio  # noqa: E402
 from tessera.common.grpc_service import CHANNEL_OPTIONS  # noqa: E402
-from tessera.v1 import (common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
+from tessera.v1 import (common_pb2, engine_pb2, frontend_pb2, frontend_pb2_grpc,  # noqa: E402
                         tokenizer_pb2, tokenizer_pb2_grpc)
 from tessera_engine.core import EngineCore  # noqa: E402
 from tessera_engine.backend_plan import plan_backends  # noqa: E402
@@ -250,40 +250,19 @@ async def run_engine_direct(engine_addr: str, prompt_ids: list[list[int]], max_t
     n = len(prompt_ids)
     first: list[float | None] = [None] * n
     tokens: list[list[int]] = [[] for _ in range(n)]
-    async with grpc.aio.insecure_channel(engine_addr, options=CHANNEL_OPTIONS) as channel:
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
-        outbox: asyncio.Queue = asyncio.Queue()
-
-        async def inputs():
-            while (message := await outbox.get()) is not None:
-                yield message
-
-        call = stub.Session(inputs())
-        index = {f"{tag}-{i}": i for i in range(n)}
-        finished = 0
-        with measure_usage(sample_rss=False) as usage:
-            t0 = time.perf_counter()
-            sent = []
-            for i, ids in enumerate(prompt_ids):
-                # as a frontend does in a burst: all but the last say more are coming
-                outbox.put_nowait(engine_pb2.SessionInput(add=[engine_pb2.EngineRequest(
-                    request_id=f"{tag}-{i}", prompt_token_ids=ids, sampling_params=params)],
-                    more_coming=i < n - 1))
-                sent.append(time.perf_counter())
-            async for step in call:
-                now = time.perf_counter()
-                for o in step.outputs:
-                    i = index[o.request_id]
-                    if o.new_token_ids:
-                        first[i] = first[i] or now
-                        tokens[i].extend(o.new_token_ids)
-                    if o.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                        finished += 1
-                if finished == n:
-                    break
-            t_end = time.perf_counter()
-        outbox.put_nowait(None)
-        call.cancel()
+    requests = [engine_pb2.EngineRequest(request_id=f"{tag}-{i}", prompt_token_ids=ids, sampling_params=params)
+                for i, ids in enumerate(prompt_ids)]
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    sent: list[float] = []
+    with measure_usage(sample_rss=False) as usage:
+        t0 = time.perf_counter()
+        async for now, step in engine_session(engine_addr, requests, sent, CHANNEL_OPTIONS):
+            for o in step.outputs:
+                i = index[o.request_id]
+                if o.new_token_ids:
+                    first[i] = first[i] or now
+                    tokens[i].extend(o.new_token_ids)
+        t_end = time.perf_counter()
     return _summary(t0, t_end, sent, first, tokens, usage)
 
 

@@ -396,9 +396,11 @@ class Sides:
         matches = []
         for repeat in range(args.repeats):
             order = sides[repeat % len(sides):] + sides[:repeat % len(sides)]  # rotate who goes first
-            for k, side in enumerate(order):
-                # A fresh system message per measurement: the stack engine's prefix cache never helps.
-                prompts = chats(repeat * 10 + k, args.num_prompts)
+            for side in order:
+                # A fresh system message for each side on the stack's engine (its prefix cache never
+                # helps); the in-process side (a fresh core each time) takes the stack side's chats, so
+                # that their greedy outputs compare.
+                prompts = chats(repeat * 10 + (1 if side == "engine" else 0), args.num_prompts)
                 ids = self.token_ids(prompts)
                 wait_for_quiet(args.wait_quiet, log=log)
                 result = self.measure(side, repeat, prompts, ids)
@@ -411,7 +413,8 @@ class Sides:
                 log(f"  repeat {repeat} {side:9s}: {result['tokens_per_s']:8.1f} tok/s  "
                     f"TTFT median {result['ttft_median_s'] * 1000:8.1f} ms  "
                     f"(other processes: {result['foreign_cores'] or 0:.2f} cores)" + (f"  CPU s:{cpu}" if cpu else ""))
-            # Greedy on both sides: the outputs should agree (batching may differ in the last bits).
+            # Greedy on the same chats: the outputs should agree, token for token (the engine's rows do
+            # not depend on their batch, and the stack changes nothing of a request).
             same = sum(len(set(map(tuple, pair))) == 1 for pair in zip(
                 results["inprocess"][-1]["_tokens"], results["stack"][-1]["_tokens"]))
             matches.append(same / args.num_prompts)

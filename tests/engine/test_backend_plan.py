@@ -112,3 +112,30 @@ def test_a_shared_model_is_not_loaded_again(tiny_q4):
     loaded = load_model(str(tiny_q4), None, torch.float32, CPU)
     plan, got = plan_backends(EngineConfig(model=str(tiny_q4), device="cpu", dtype="float32", quantized_max_rows=2), loaded)
     assert got is loaded and plan.quantized_max_rows == 2
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the fused CPU kernels do not build here")
+def test_the_decoder_layers_run_in_one_cpp_call_unless_enforce_eager(tiny_q4):
+    from tessera_engine.request import EngineCoreRequest
+    from tessera_engine.sampling_params import SamplingParams
+
+    def greedy(core: EngineCore) -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for i in range(3):
+            core.add_request(EngineCoreRequest(f"r{i}", [5 + i, 17, 33, 2 * i + 1], params))
+        outs: dict[str, list[int]] = {}
+        while core.has_unfinished():
+            for o in core.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return [outs[f"r{i}"] for i in range(3)]
+
+    base = dict(model=str(tiny_q4), device="cpu", dtype="float32", num_kv_blocks=16)
+    stacked = EngineCore(EngineConfig(**base))
+    assert stacked.executor.plan.decoder_stack and stacked.executor.plan.describe()["decoder_stack"]
+    assert stacked.executor.model.decoder_layers.startswith("C++")
+    eager = EngineCore(EngineConfig(**base, enforce_eager=True))
+    assert not eager.executor.plan.decoder_stack and "--enforce-eager" in eager.executor.plan.why["decoder_stack"]
+    assert eager.executor.model.decoder_layers == "Python loop"
+    assert greedy(stacked) == greedy(eager)
+    plan, _ = plan_backends(EngineConfig(**base, cpu_kernels=False))
+    assert not plan.decoder_stack and "no fused CPU kernels" in plan.why["decoder_stack"]

@@ -108,6 +108,20 @@ def batch_invariance(config: EngineConfig, kernels, dense: str, rows: int) -> tu
     return True, "one matmul path per layer for every batch size, attention computed per row"
 
 
+def choose_decoder_stack(config: EngineConfig, kernels, rows: int) -> tuple[bool, str]:
+    """Whether a step of up to `rows` rows may run the decoder layers in one C++ call (the
+    kernels' DecoderStack: the Python loop's kernel calls, made without the interpreter between
+    them, ~1.5 ms of a one-request step on 2 cores). The model says at use_backend whether the
+    stack covers it (models/llama.py: its every matmul quantized, no LoRA in the step)."""
+    if config.enforce_eager:
+        return False, "--enforce-eager: the Python loop"
+    if kernels is None or not hasattr(kernels, "DecoderStack"):
+        return False, "no fused CPU kernels: the Python loop"
+    if rows <= 0:
+        return False, "no quantized matmul: the Python loop"
+    return True, "the layers' kernel calls in one C++ call a step, where the model's layers allow it"
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendPlan:
     device: torch.device
@@ -120,6 +134,7 @@ class BackendPlan:
     quantized_max_rows: int     # layers with quantized blocks run them up to this many rows (0: never)
     batch_invariant: bool       # a row's results do not depend on the rows beside it (as far as the plan can)
     token_budget: int           # tokens one step may compute
+    decoder_stack: bool         # the model may run its decoder layers in one C++ call (kernels' DecoderStack)
     why: types.MappingProxyType  # each decision's reason, by name
 
     @property
@@ -137,6 +152,7 @@ class BackendPlan:
                 "attention": self.attention_name, "ops": self.ops.name, "dense_matmul": self.dense_matmul,
                 "keep_quantized": self.keep_quantized, "quantized_matmul": self.quantized_matmul,
                 "quantized_max_rows": "all" if self.quantized_max_rows == ALL_ROWS else self.quantized_max_rows,
+                "decoder_stack": self.decoder_stack,
                 "batch_invariant": self.batch_invariant,
                 "token_budget": self.token_budget,
                 "why": dict(self.why)}
@@ -223,7 +239,8 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
     invariant, why["batch_invariant"] = batch_invariance(config, kernels, dense, rows)
 
     budget, why["token_budget"] = choose_token_budget(config.max_num_batched_tokens, device)
+    stack, why["decoder_stack"] = choose_decoder_stack(config, kernels, rows)
     plan = BackendPlan(device, dtype, kernels, ops, dense, keep, ops.quantized_matmul if keep else "none", rows,
-                       invariant, budget, types.MappingProxyType(why))
+                       invariant, budget, stack, types.MappingProxyType(why))
     log.info("backend plan", extra=plan.describe())
     return plan, loaded

@@ -58,6 +58,9 @@ class EngineConfig:
     # a row's results never depend on how many rows run beside it (one matmul path for every
     # batch size): the same greedy request gives the same text alone, batched, cached or chunked
     batch_invariant: bool = True
+    # the Python loop over the decoder layers always (vLLM's --enforce-eager); off: the kernels'
+    # DecoderStack runs them in one C++ call where it covers the model (bit for bit the same)
+    enforce_eager: bool = False
     # speculative decoding (speculative.SpeculativeConfig: --speculative-config's JSON); None: off
     speculative_config: str | dict | None = None
     # how that quantized matmul computes: exact (each block dequantized to the activations'

@@ -68,9 +68,10 @@ class ModelRunner:
         self.kv_caches = [pool[t] for t in layout.layer_tensor]  # each layer's (k, v)
         self.attention = plan.attention(block_size, hf_config.num_key_value_heads)
         self.ops = plan.ops
-        paths = model.use_backend(self.attention, self.ops, plan.quantized_max_rows)
+        paths = model.use_backend(self.attention, self.ops, plan.quantized_max_rows, plan.decoder_stack)
         log.info("linear layers", extra={"paths": paths, "dense_matmul": plan.dense_matmul,
                                          "quantized_max_rows": plan.quantized_max_rows if set(paths) - {"dense"} else 0,
+                                         "decoder_layers": model.decoder_layers,
                                          "kv_groups": [(g.window, len(g.layers)) for g in layout.groups]})
         self.sampler = Sampler(self.vocab_size, device, self.ops)
         self._arange_bs = torch.arange(block_size, device=device)

@@ -34,5 +34,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, "y += scale * (x A^T) B^T per row's adapter slot, in place (batched LoRA)",
         pybind11::arg("y"), pybind11::arg("x"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("slots"),
         pybind11::arg("scales"), pybind11::arg("bounds"), nogil);
+  // module_local: each variant's module (cpu_kernels.py may load several in one process) its own type
+  pybind11::class_<DecoderStack>(m, "DecoderStack", pybind11::module_local(),
+                                 "a Llama-family model's decoder layers in one call")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, at::Tensor, int64_t,
+                          int64_t, int64_t, double, double>(),
+           pybind11::arg("weights"), pybind11::arg("qtypes"), pybind11::arg("int8"), pybind11::arg("final_norm"),
+           pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"),
+           pybind11::arg("eps"), pybind11::arg("scale"))
+      .def("forward", &DecoderStack::forward, nogil)
+      .def_property_readonly("num_layers", &DecoderStack::num_layers);
   m.def("bind_threads", &bind_threads, "each thread of the calling thread's team bound to one CPU", nogil);
 }

@@ -27,6 +27,7 @@
 //   dense_matmul.cpp      bfloat16 matmul on oneDNN's brgemm micro-kernel
 //   lora.cpp              batched LoRA (shrink then expand per adapter slot), batch-invariant
 //   threads.cpp           binding the OpenMP team's threads to CPUs
+//   decoder_stack.cpp     a Llama-family model's decoder layers in one call, on the kernels above
 //   bindings.cpp          the Python module (pybind11)
 // This header declares the entry points bindings.cpp exposes; each family keeps its own
 // helpers in an anonymous namespace of its file.
@@ -76,5 +77,32 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at:
 
 // threads.cpp
 std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);
+
+// decoder_stack.cpp: the decoder layers of a Llama-family model whose every matmul runs on a
+// quantized kernel, held once (8 tensors a layer: input norm, qkv, qkv bias or empty, o, o
+// bias or empty, post-attention norm, gate_up, down; a ggml type and int8-or-exact for each of
+// the 4 matmuls) and run as the Python forward runs them (models/llama.py), call for call.
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<at::Tensor> weights, std::vector<int64_t> qtypes, std::vector<int64_t> int8,
+               at::Tensor final_norm, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+               double scale);
+  // embeddings [T, hidden] -> the final norm's output [T, hidden]; caches: each layer's K then V
+  // cache; the rest is CpuKernelAttention's step metadata (every row attends as a decode)
+  at::Tensor forward(const at::Tensor& embeddings, const at::Tensor& positions, const at::Tensor& cos,
+                     const at::Tensor& sin_signed, const std::vector<at::Tensor>& caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens, int64_t block_size, int64_t window) const;
+  int64_t num_layers() const { return layers_; }
+
+ private:
+  at::Tensor matmul(int64_t layer, int64_t which, const at::Tensor& x) const;
+  std::vector<at::Tensor> weights_;
+  std::vector<int64_t> qtypes_;
+  std::vector<int64_t> int8_;
+  at::Tensor final_norm_;
+  int64_t layers_ = 0, num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
 
 }  // namespace tessera

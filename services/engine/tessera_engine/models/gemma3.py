@@ -97,6 +97,8 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
+    decoder_stack_ok = False  # its own forward (embedding scale, per-kind rotary tables, 1 + w norms)
+
     def __init__(self, config, max_positions: int) -> None:
         problem = unsupported(config)
         if problem:

@@ -212,6 +212,10 @@ class LlamaForCausalLM(nn.Module):
         self.tied_qlinear = None  # the ops backend's qlinear for the tied lm_head, when used
         self.tied_q_max_rows = 0
         self.attention: TorchAttention | None = None  # set by use_backend
+        self._stack = None  # the kernels' DecoderStack, when use_backend finds it applies (_decoder_stack)
+        self._stack_rows = 0
+        self._stack_caches = (None, [])  # (the kv_caches list forward was given, its tensors flat)
+        self._lora_attached = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> torch.Tensor:
@@ -221,6 +225,15 @@ class LlamaForCausalLM(nn.Module):
              self.qembedding(input_ids, self.embed_q.data, self.embed_q.qtype, self.config.hidden_size,
                              self.embed_tokens.weight.dtype))
         cos, sin = self.attention.rotary_tables(self.rotary, x.dtype, positions)
+        meta = metas[0] if metas else None
+        if (self._stack is not None and x.shape[0] <= self._stack_rows and not self._lora_attached
+                and meta.copy_slots is None and all(m is meta for m in metas)):
+            # the same calls as the loop below, made from C++ (csrc/decoder_stack.cpp)
+            if self._stack_caches[0] is not kv_caches:
+                self._stack_caches = (kv_caches, [t for kv in kv_caches for t in kv])
+            dm = meta.decode
+            return self._stack.forward(x, meta.positions, cos, sin, self._stack_caches[1], meta.slot_mapping,
+                                       dm.block_tables, dm.context_lens, self.attention.block_size, dm.window)
         residual = None
         for layer, kv, meta in zip(self._layer_steps, kv_caches, metas):
             x, residual = layer(x, residual, cos, sin, kv, meta)
@@ -287,10 +300,13 @@ class LlamaForCausalLM(nn.Module):
                 lambda x: self._tied_pw.linear(x, w, None)))
         return pairs
 
-    def use_backend(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int) -> dict:
+    def use_backend(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int,
+                    decoder_stack: bool = False) -> dict:
         """The backend plan's attention and ops, for every layer; layers with a quantized weight
         prepared for the ops (prepare_quantized) run its kernel for up to q_max_rows rows (0:
-        never). Returns how many linear layers took each path ("Q4_1 int8": 210, "dense": 1, ...)."""
+        never); decoder_stack: the plan lets forward run the layers in one C++ call where that
+        covers them (_decoder_stack). Returns how many linear layers took each path ("Q4_1 int8":
+        210, "dense": 1, ...)."""
         self.attention = attention
         paths: dict[str, int] = {}
         for m in self.modules():
@@ -309,7 +325,52 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             kind = self.embed_qpath.name if use_tied else "dense"
             paths[kind] = paths.get(kind, 0) + 1
+        self._stack = self._decoder_stack(attention, ops, q_max_rows) if decoder_stack else None
+        self._stack_rows = q_max_rows
+        self._stack_caches = (None, [])
+        self._lora_attached = any(isinstance(m, Linear) and m.lora is not None for m in self.modules())
         return paths
+
+    @property
+    def decoder_layers(self) -> str:
+        """How forward runs the layers (for the model runner's log)."""
+        return "C++ DecoderStack, up to the quantized rows" if self._stack is not None else "Python loop"
+
+    # Whether this class's forward is the loop DecoderStack makes (Gemma 3's is not).
+    decoder_stack_ok = True
+
+    def _decoder_stack(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int):
+        """The kernels' DecoderStack over this model's layers, where it makes exactly the calls
+        forward's loop makes: the fused CPU kernels for the attention and the ops, every matmul on
+        a quantized kernel (up to q_max_rows rows), one attention window for all layers, no
+        per-head q/k norms. None otherwise (forward's loop runs)."""
+        kernels = getattr(ops, "kernels", None)
+        if (not self.decoder_stack_ok or q_max_rows <= 0 or kernels is None
+                or not hasattr(kernels, "DecoderStack") or getattr(attention, "kernels", None) is not kernels
+                or len(set(self.attention_windows)) != 1):
+            return None
+        weights, qtypes, int8 = [], [], []
+        none = torch.empty(0)
+        eps = {layer.input_layernorm.eps for layer in self.layers} | {layer.post_attention_layernorm.eps
+                                                                     for layer in self.layers}
+        if len(eps) != 1 or self.norm.eps not in eps:
+            return None
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.qk_norm or any(m.qlinear not in (kernels.qlinear_i8, kernels.qlinear) for m in linears):
+                return None
+            for m in linears:
+                qtypes.append(m.qweight.qtype)
+                int8.append(int(m.qlinear is kernels.qlinear_i8))
+            weights += [layer.input_layernorm.weight, attn.qkv_proj.qweight.data,
+                        none if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
+                        attn.o_proj.qweight.data, none if attn.o_proj.bias is None else attn.o_proj.bias,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.qweight.data,
+                        mlp.down_proj.qweight.data]
+        a = self.layers[0].self_attn
+        return kernels.DecoderStack(weights, qtypes, int8, self.norm.weight, a.num_heads, a.num_kv_heads,
+                                    a.head_dim, eps.pop(), a.attn.scale)
 
     # -- LoRA (lora.py) ---------------------------------------------------------------
     def lora_shapes(self):
@@ -336,6 +397,7 @@ class LlamaForCausalLM(nn.Module):
         """Each LoRALayer onto its linear layer (lora_targets' order)."""
         for (_, _, _, _, linear), lora in zip(self.lora_targets(), lora_layers):
             linear.lora = lora
+        self._lora_attached = any(lora is not None for lora in lora_layers)  # forward's loop applies them
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -48,14 +48,21 @@ def add_flag(
             default = type(raw)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"environment variable {env}={raw!r} is invalid: {exc}")
+    boolean = type is _parse_bool
     parser.add_argument(
         flag,
         *aliases,
         default=default,
         type=type,
         choices=choices,
-        help=f"{help} [env {env}; " + ("a secret: never shown]" if secret else f"default {default!r}]"),
+        # a boolean flag alone means true (vLLM's `--enforce-eager`), and `--no-<flag>` false
+        **({"nargs": "?", "const": True} if boolean else {}),
+        help=f"{help} [env {env}; " + ("a secret: never shown]" if secret else f"default {default!r}]")
+        + (f"; {flag} alone: true, --no-{flag[2:]}: false" if boolean else ""),
     )
+    if boolean:
+        parser.add_argument(f"--no-{flag[2:]}", dest=flag[2:].replace("-", "_"), action="store_const", const=False,
+                            help=argparse.SUPPRESS)
 
 
 def _non_negative_seconds(value: str) -> float:

@@ -112,7 +112,7 @@ def choose_decoder_stack(config: EngineConfig, kernels, rows: int) -> tuple[bool
     """Whether a step of up to `rows` rows may run the decoder layers in one C++ call (the
     kernels' DecoderStack: the Python loop's kernel calls, made without the interpreter between
     them, ~1.5 ms of a one-request step on 2 cores). The model says at use_backend whether the
-    stack covers it (models/llama.py: its every matmul quantized, no LoRA in the step)."""
+    stack covers it (models/llama.py: every matmul quantized, no LoRA layers attached)."""
     if config.enforce_eager:
         return False, "--enforce-eager: the Python loop"
     if kernels is None or not hasattr(kernels, "DecoderStack"):

@@ -214,7 +214,6 @@ class LlamaForCausalLM(nn.Module):
         self.attention: TorchAttention | None = None  # set by use_backend
         self._stack = None  # the kernels' DecoderStack, when use_backend finds it applies (_decoder_stack)
         self._stack_rows = 0
-        self._stack_caches = (None, [])  # (the kv_caches list forward was given, its tensors flat)
         self._lora_attached = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -228,12 +227,12 @@ class LlamaForCausalLM(nn.Module):
         meta = metas[0] if metas else None
         if (self._stack is not None and x.shape[0] <= self._stack_rows and not self._lora_attached
                 and meta.copy_slots is None and all(m is meta for m in metas)):
-            # the same calls as the loop below, made from C++ (csrc/decoder_stack.cpp)
-            if self._stack_caches[0] is not kv_caches:
-                self._stack_caches = (kv_caches, [t for kv in kv_caches for t in kv])
+            # the same calls as the loop below, made from C++ (csrc/decoder_stack.cpp); the caches
+            # are the caller's (a model may serve several runners), flattened each step (~10 us)
             dm = meta.decode
-            return self._stack.forward(x, meta.positions, cos, sin, self._stack_caches[1], meta.slot_mapping,
-                                       dm.block_tables, dm.context_lens, self.attention.block_size, dm.window)
+            return self._stack.forward(x, meta.positions, cos, sin, [t for kv in kv_caches for t in kv],
+                                       meta.slot_mapping, dm.block_tables, dm.context_lens,
+                                       self.attention.block_size, dm.window)
         residual = None
         for layer, kv, meta in zip(self._layer_steps, kv_caches, metas):
             x, residual = layer(x, residual, cos, sin, kv, meta)
@@ -327,7 +326,6 @@ class LlamaForCausalLM(nn.Module):
             paths[kind] = paths.get(kind, 0) + 1
         self._stack = self._decoder_stack(attention, ops, q_max_rows) if decoder_stack else None
         self._stack_rows = q_max_rows
-        self._stack_caches = (None, [])
         self._lora_attached = any(isinstance(m, Linear) and m.lora is not None for m in self.modules())
         return paths
 

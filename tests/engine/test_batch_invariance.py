@@ -113,23 +113,19 @@ def test_a_bad_resumed_request_is_refused_and_the_running_one_finishes_untouched
 def test_the_decoder_layers_in_cpp_give_the_python_loops_tokens(chat_prompts, dtype):
     """DecoderStack (csrc/decoder_stack.cpp) makes the Python forward's kernel calls from C++: the
     same tokens, bit for bit, alone, batched and chunked; and the plan does use it here."""
-    config = EngineConfig(dtype=dtype)
-    plan, loaded = plan_backends(config)
+    plan, loaded = plan_backends(EngineConfig(dtype=dtype))
     if plan.ops.name != "cpu_kernels" or not plan.keep_quantized:
         pytest.skip(f"no fused CPU kernels with quantized weights here: {plan.why}")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = chat_prompts[:4]
 
-    def tokens(use_stack: bool) -> list[list[int]]:
+    def tokens(eager: bool) -> list[list[int]]:
         out = []
-        for cfg, batch in ((config, prompts[:1]), (config, prompts), (EngineConfig(dtype=dtype, max_num_batched_tokens=16),
-                                                                     prompts[1:3])):
-            core = EngineCore(cfg, loaded)
-            model = core.executor.runner.model
-            assert model.decoder_layers.startswith("C++"), model.decoder_layers
-            if not use_stack:
-                model._stack = None
+        for budget, batch in ((None, prompts[:1]), (None, prompts), (16, prompts[1:3])):
+            core = EngineCore(EngineConfig(dtype=dtype, max_num_batched_tokens=budget, enforce_eager=eager), loaded)
+            layers = core.executor.runner.model.decoder_layers
+            assert layers == "Python loop" if eager else layers.startswith("C++"), layers
             out += run(core, batch, params, "s")
         return out
 
-    assert tokens(True) == tokens(False)
+    assert tokens(eager=False) == tokens(eager=True)

@@ -13,6 +13,8 @@ namespace tessera {
 namespace {
 constexpr int64_t kPerLayer = 8;  // input norm, qkv, qkv bias, o, o bias, post norm, gate_up, down
 constexpr int64_t kMatmuls = 4;   // qkv, o, gate_up, down
+// each matmul's weight, and (qkv, o) its bias, among a layer's kPerLayer tensors
+constexpr int64_t kWeightAt[kMatmuls] = {1, 3, 6, 7}, kBiasAt[2] = {2, 4};
 }  // namespace
 
 DecoderStack::DecoderStack(std::vector<at::Tensor> weights, std::vector<int64_t> qtypes, std::vector<int64_t> int8,
@@ -30,10 +32,10 @@ DecoderStack::DecoderStack(std::vector<at::Tensor> weights, std::vector<int64_t>
 }
 
 at::Tensor DecoderStack::matmul(int64_t layer, int64_t which, const at::Tensor& x) const {
-  const at::Tensor& w = weights_[layer * kPerLayer + (which == 0 ? 1 : which == 1 ? 3 : which == 2 ? 6 : 7)];
+  const at::Tensor& w = weights_[layer * kPerLayer + kWeightAt[which]];
   c10::optional<at::Tensor> bias;
   if (which < 2) {
-    const at::Tensor& b = weights_[layer * kPerLayer + (which == 0 ? 2 : 4)];
+    const at::Tensor& b = weights_[layer * kPerLayer + kBiasAt[which]];
     if (b.defined() && b.numel() > 0) bias = b;  // an empty tensor: no bias
   }
   const int64_t i = layer * kMatmuls + which;

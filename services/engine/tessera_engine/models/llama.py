@@ -324,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             kind = self.embed_qpath.name if use_tied else "dense"
             paths[kind] = paths.get(kind, 0) + 1
-        self._stack = self._decoder_stack(attention, ops, q_max_rows) if decoder_stack else None
+        self._stack = self._decoder_stack(ops.kernels) if decoder_stack else None
         self._stack_rows = q_max_rows
         self._lora_attached = any(isinstance(m, Linear) and m.lora is not None for m in self.modules())
         return paths
@@ -337,15 +337,12 @@ class LlamaForCausalLM(nn.Module):
     # Whether this class's forward is the loop DecoderStack makes (Gemma 3's is not).
     decoder_stack_ok = True
 
-    def _decoder_stack(self, attention: TorchAttention, ops: TorchOps, q_max_rows: int):
-        """The kernels' DecoderStack over this model's layers, where it makes exactly the calls
-        forward's loop makes: the fused CPU kernels for the attention and the ops, every matmul on
-        a quantized kernel (up to q_max_rows rows), one attention window for all layers, no
-        per-head q/k norms. None otherwise (forward's loop runs)."""
-        kernels = getattr(ops, "kernels", None)
-        if (not self.decoder_stack_ok or q_max_rows <= 0 or kernels is None
-                or not hasattr(kernels, "DecoderStack") or getattr(attention, "kernels", None) is not kernels
-                or len(set(self.attention_windows)) != 1):
+    def _decoder_stack(self, kernels):
+        """The kernels' DecoderStack over this model's layers (the plan has the fused kernels, a
+        quantized matmul and allows the stack: choose_decoder_stack), where it makes exactly the
+        calls forward's loop makes: every matmul on a quantized kernel, one attention window for
+        all layers, no per-head q/k norms. None otherwise (forward's loop runs)."""
+        if not self.decoder_stack_ok or len(set(self.attention_windows)) != 1:
             return None
         weights, qtypes, int8 = [], [], []
         none = torch.empty(0)

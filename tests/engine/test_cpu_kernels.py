@@ -49,13 +49,18 @@ def _ref_rms_norm(x, w, eps):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 48)])
-def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, kernels):
+# g = 3, 1, 4, 2, 16 (a group size of 1-8 keeps its sums in registers, more takes the general
+# loop), 48 the scalar path
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (10, 5, 64), (16, 1, 64),
+                                                     (6, 2, 48)])
+# 11 rows: a work item a sequence, its blocks' rows one range; 1 row: one a KV head
+@pytest.mark.parametrize("n", [11, 1])
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, head_dim, n, kernels):
     torch.manual_seed(0)
-    bs, num_blocks, n = 16, 400, 11
+    bs, num_blocks = 16, 400
     k_cache = torch.randn(num_blocks * bs, kv_heads, head_dim).to(dtype)
     v_cache = torch.randn(num_blocks * bs, kv_heads, head_dim).to(dtype)
-    lens = torch.tensor([1, 2, 15, 16, 17, 33, 100, 160, 5, 64, 250])
+    lens = torch.tensor([1, 2, 15, 16, 17, 33, 100, 160, 5, 64, 250])[-n:]
     max_blocks = int(-(-lens.max() // bs))
     tables = torch.randperm(num_blocks)[:n * max_blocks].view(n, max_blocks).contiguous()
     # q as the model passes it: a view of the fused projection (row stride > heads * head_dim)

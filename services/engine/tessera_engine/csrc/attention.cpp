@@ -69,9 +69,9 @@ inline void prefetch_block(const T* cache, int64_t base, int64_t n, int64_t h0, 
 }
 
 // The cache lines of one block's rows of heads [h0, h1), asked for a few at a time from inside
-// the compute loops (measured: a step's attention 25% faster from DRAM than with each block
-// asked for whole before its computation). Rows of only some of the heads are not one range:
-// those are asked for at once.
+// the compute loops: measured faster, with the caches in DRAM, than asking for each block whole
+// before its computation (timings: benchmarks/README.md, kernel_steps.py). Rows of only some of
+// the heads are not one range: those are asked for at once.
 template <int Hint>
 struct LineCursor {
   const char* next = nullptr;

@@ -8,6 +8,8 @@ the scalar paths a CPU without AVX-512 runs). The variant choice is checked on
 /proc/cpuinfo flag sets of real CPU generations."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -292,6 +294,57 @@ def test_kernels_run_without_the_gil():
     assert min(worst) < 0.5, worst
 
 
+def test_tiles_taken_by_any_thread_give_the_same_results():
+    """The matmuls and decode attention cut their work into tiles that the team's threads take
+    from shared runs, a thread taking the rest of another's run when that one is preempted
+    (tile_queue.h). Whichever thread computes a tile, every output is computed once and the
+    same: one thread, two, and two sharing the cores with a busy process give equal results."""
+    import gguf
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(7)
+    calls = []
+    # decode attention: 64 rows of uneven contexts, and 1 row (a work item a KV head)
+    bs, kvh, d = 16, 3, 64
+    k_cache, v_cache = (torch.randn(400 * bs, kvh, d, generator=gen).bfloat16() for _ in range(2))
+    for n in (64, 1):
+        lens = torch.randint(1, 300, (n,), generator=gen)
+        tables = torch.randint(0, 400, (n, 19), generator=gen)  # rows may share blocks: read only
+        q = torch.randn(n, 9, d, generator=gen).bfloat16()
+        calls.append(lambda q=q, t=tables, ln=lens: K.decode_attention(q, k_cache, v_cache, t, ln, d ** -0.5, bs))
+    if K.int8_matmul_available():  # Q4_1 weights on int8 dot products: 64 rows, and 1 (many groups a tile)
+        w = np.random.default_rng(0).standard_normal((1536, 576)).astype(np.float32) * 0.05
+        packed = K.qrepack_i8(torch.from_numpy(gguf.quantize(w, gguf.GGMLQuantizationType.Q4_1)), 3, 576)
+        for rows in (64, 1):
+            x = torch.randn(rows, 576, generator=gen).bfloat16()
+            calls.append(lambda x=x: K.qlinear_i8(x, packed, 3, None))
+    from tessera_engine.models.packed_linear import BrgemmPacking
+    if BrgemmPacking.checked(K) is not None:  # bfloat16 on oneDNN's micro-kernel, 200 rows: 4 x 24 tiles
+        wb = K.pack_bf16_weight(torch.randn(1536, 576, generator=gen).bfloat16())
+        xb = torch.randn(200, 576, generator=gen).bfloat16()
+        calls.append(lambda: K.linear_bf16(xb, wb, 1536, None))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [f() for f in calls]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.isfinite(o.float()).all() for o in alone)
+    for _ in range(30):
+        for f, want in zip(calls, alone):
+            assert torch.equal(f(), want), f
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        end = time.monotonic() + 1.0  # the hog's scheduler slices fall inside many calls
+        while time.monotonic() < end:
+            for f, want in zip(calls, alone):
+                assert torch.equal(f(), want), f
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 @pytest.mark.parametrize("dtype", ["float32"])
 def test_engine_with_kernels_equals_engine_with_torch_ops(dtype):
     """The same greedy tokens with the fused kernels and with the plain torch ops (a mixed
@@ -374,9 +427,6 @@ def test_prebuilt_directory_without_a_runnable_variant_is_refused(tmp_path, monk
 
 
 def test_variants_without_a_directory_is_a_usage_error():
-    import subprocess
-    import sys
-
     for argv in (["--variants"], ["--variants", "--require"]):
         done = subprocess.run([sys.executable, "-m", "tessera_engine.cpu_kernels", *argv],
                               capture_output=True, text=True, timeout=120)

@@ -1,6 +1,7 @@
 // tessera's CPU kernels: paged decode attention (one query token per sequence, K/V read
 // in place from the paged cache).
 #include "cpu_kernels.h"
+#include "tile_queue.h"
 #include "vec.h"
 
 namespace tessera {
@@ -317,12 +318,15 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   // block would otherwise be a stall on memory (up to kAheadBlocks: measured, less time than
   // asking for the first block alone)
   [[maybe_unused]] constexpr int64_t kAheadBlocks = 16;
-  at::parallel_for(0, N * parts, 1, [&](int64_t begin, int64_t end) {
+  // items taken from shared runs (tile_queue.h): a thread that runs takes the items of one
+  // that is preempted, or has longer contexts
+  const int64_t items = N * parts;
+  run_tiles(items, [&](int64_t me, TileQueue& queue) {
     std::vector<float> scores, acc(per * sh.g * d);
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t w = queue.take(me); w >= 0; w = queue.take(me)) {
       const Item it = item(w);
 #if defined(__AVX512F__)
-      if (w + 1 < end) {
+      if (w + 1 < items) {  // the next item of this thread's run, unless another takes it
         const Item nx = item(w + 1);
         const int64_t* nt = tables + nx.i * max_blocks + nx.first;
         for (int64_t b = 0; b < kAheadBlocks && b * block_size < nx.L; ++b)

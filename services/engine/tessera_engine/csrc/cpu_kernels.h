@@ -24,6 +24,8 @@
 //                         activations quantized per block, Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K
 //                         weights repacked
 //   gguf_blocks.h         the GGUF block types, sizes and exact dequantization both read
+//   tile_queue.h          work cut into tiles the team's threads take from shared runs (a
+//                         thread takes the rest of a preempted one's run): the matmuls, attention
 //   dense_matmul.cpp      bfloat16 matmul on oneDNN's brgemm micro-kernel
 //   lora.cpp              batched LoRA (shrink then expand per adapter slot), batch-invariant
 //   threads.cpp           binding the OpenMP team's threads to CPUs

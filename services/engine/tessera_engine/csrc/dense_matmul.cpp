@@ -1,6 +1,7 @@
 // tessera's CPU kernels: bfloat16 dense matmul (linear_bf16 and its weight packing) on
 // oneDNN's brgemm micro-kernel.
 #include "cpu_kernels.h"
+#include "tile_queue.h"
 #include "vec.h"
 
 #include <ATen/native/CPUBlas.h>
@@ -9,53 +10,13 @@ namespace tessera {
 namespace {
 
 // ---- bfloat16 dense matmul on oneDNN's brgemm micro-kernel -----------------------------
-// oneDNN's matmul (torch's prepacked linear) splits a layer's work evenly over the OpenMP
-// team before it starts; on cores shared with the frontend, tokenizer and clients, one
-// preempted thread then holds up the whole layer while the others wait at its end. Here
-// the layer is cut into tiles (up to kTileM rows x kPackN columns) that the team's threads
-// take from a shared counter, so a thread that runs takes the tiles of one that does not.
-// Each tile is one call of oneDNN's brgemm micro-kernel (exported by torch as
-// at::native::cpublas::brgemm), accumulating in float32, rounded to bfloat16 once.
+// The layer is cut into tiles (up to kTileM rows x kPackN columns) that the team's threads
+// take from shared runs (tile_queue.h), where oneDNN's own matmul (torch's prepacked linear)
+// splits it evenly before it starts. Each tile is one call of oneDNN's brgemm micro-kernel
+// (exported by torch as at::native::cpublas::brgemm), accumulating in float32, rounded to
+// bfloat16 once.
 constexpr int64_t kPackN = 64;   // columns per packed weight block
 constexpr int64_t kTileM = 64;   // rows per tile
-
-// Tiles [0, n) for `threads` threads: one contiguous run of tiles per thread, taken in order
-// by its owner (a forward stream through the packed weight, which the hardware prefetchers
-// follow: faster, measured, than the threads taking alternate tiles), then, when its run is
-// done, the last tiles of another's run that its owner has not reached (a thread that is
-// preempted, or slow, hands its remaining work over).
-class TileQueue {
- public:
-  TileQueue(int64_t n, int64_t threads) : runs_(static_cast<size_t>(std::max<int64_t>(threads, 1))) {
-    const int64_t k = static_cast<int64_t>(runs_.size());
-    for (int64_t i = 0; i < k; ++i) runs_[i].store(pack(n * i / k, n * (i + 1) / k), std::memory_order_relaxed);
-  }
-  // The next tile for thread `me`, or -1 when none is left.
-  int64_t take(int64_t me) {
-    const int64_t k = static_cast<int64_t>(runs_.size());
-    const int64_t own = take_from(runs_[me], true);
-    if (own >= 0) return own;
-    for (int64_t j = 1; j < k; ++j) {
-      const int64_t stolen = take_from(runs_[(me + j) % k], false);
-      if (stolen >= 0) return stolen;
-    }
-    return -1;
-  }
-
- private:
-  static uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) << 32 | static_cast<uint64_t>(hi); }
-  // [lo, hi) of a run: its owner takes lo, others take hi - 1
-  static int64_t take_from(std::atomic<uint64_t>& run, bool front) {
-    uint64_t cur = run.load(std::memory_order_relaxed);
-    while (true) {
-      const int64_t lo = static_cast<int64_t>(cur >> 32), hi = static_cast<int64_t>(cur & 0xffffffffu);
-      if (lo >= hi) return -1;
-      const uint64_t next = front ? pack(lo + 1, hi) : pack(lo, hi - 1);
-      if (run.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return front ? lo : hi - 1;
-    }
-  }
-  std::vector<std::atomic<uint64_t>> runs_;
-};
 
 }  // namespace
 
@@ -105,10 +66,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = out.data_ptr<c10::BFloat16>();
-  const int64_t MB = (M + kTileM - 1) / kTileM, tiles = NB * MB;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
-  TileQueue queue(tiles, threads);
-  auto work = [&](int64_t me) {
+  const int64_t MB = (M + kTileM - 1) / kTileM;
+  run_tiles(NB * MB, [&](int64_t me, TileQueue& queue) {
     alignas(64) float tile[kTileM * kPackN];
     for (int64_t t = queue.take(me); t >= 0; t = queue.take(me)) {
       // column block major: a block's row tiles one after another, while it is in cache
@@ -124,9 +83,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
       }
     }
     at::native::cpublas::brgemm_release(true);
-  };
-  if (threads <= 1) work(0);
-  else at::parallel_for(0, threads, 1, [&](int64_t b, int64_t) { work(b); });
+  });
   return out;
 }
 

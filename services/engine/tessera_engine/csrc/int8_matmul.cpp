@@ -48,12 +48,14 @@
 // The repacked weight keeps the file's type number: the kernels map it to its layout.
 #include "cpu_kernels.h"
 #include "gguf_blocks.h"
+#include "tile_queue.h"
 #include "vec.h"
 
 namespace tessera {
 namespace {
 
 constexpr int64_t kRows = 16;  // output rows a group interleaves: one int32 lane each
+constexpr int64_t kTileMacs = 1 << 16;  // multiply-adds a tile of qlinear_i8 has at least (but one group)
 
 // the layouts of their own (no ggml type has these numbers): Q4_1 and Q8_0 with float32 fields,
 // Q5_0 with its fifth bits where the kernel reads them
@@ -404,21 +406,26 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
     T* yp = out.data_ptr<T>();
     auto groups = [&](auto qtag) {
       constexpr int64_t QT = decltype(qtag)::value;
-      at::parallel_for(0, N / kRows, 1, [&](int64_t gb, int64_t ge) {
-        for (int64_t g = gb; g < ge; ++g) {
-          const uint8_t* grp = w + g * gstride;
-          int64_t m = 0;
-          for (; m + 8 <= M; m += 8) group_rows<QT, 8>(grp, nb, a, K, m, bp, yp, N, g);
-          // the rest in one tile: a speculating sample's 1 + k rows take one pass, not two
-          switch (M - m) {
-            case 7: group_rows<QT, 7>(grp, nb, a, K, m, bp, yp, N, g); break;
-            case 6: group_rows<QT, 6>(grp, nb, a, K, m, bp, yp, N, g); break;
-            case 5: group_rows<QT, 5>(grp, nb, a, K, m, bp, yp, N, g); break;
-            case 4: group_rows<QT, 4>(grp, nb, a, K, m, bp, yp, N, g); break;
-            case 3: group_rows<QT, 3>(grp, nb, a, K, m, bp, yp, N, g); break;
-            case 2: group_rows<QT, 2>(grp, nb, a, K, m, bp, yp, N, g); break;
-            case 1: group_rows<QT, 1>(grp, nb, a, K, m, bp, yp, N, g); break;
-            default: break;
+      // tiles of whole row groups (tile_queue.h), enough groups a tile that its work outweighs
+      // taking it (a row group of one row is ~9K multiply-adds at K = 576)
+      const int64_t G = N / kRows, per = std::max<int64_t>(1, kTileMacs / std::max<int64_t>(1, M * kRows * K));
+      run_tiles((G + per - 1) / per, [&](int64_t me, TileQueue& queue) {
+        for (int64_t t = queue.take(me); t >= 0; t = queue.take(me)) {
+          for (int64_t g = t * per, ge = std::min(G, g + per); g < ge; ++g) {
+            const uint8_t* grp = w + g * gstride;
+            int64_t m = 0;
+            for (; m + 8 <= M; m += 8) group_rows<QT, 8>(grp, nb, a, K, m, bp, yp, N, g);
+            // the rest in one tile: a speculating sample's 1 + k rows take one pass, not two
+            switch (M - m) {
+              case 7: group_rows<QT, 7>(grp, nb, a, K, m, bp, yp, N, g); break;
+              case 6: group_rows<QT, 6>(grp, nb, a, K, m, bp, yp, N, g); break;
+              case 5: group_rows<QT, 5>(grp, nb, a, K, m, bp, yp, N, g); break;
+              case 4: group_rows<QT, 4>(grp, nb, a, K, m, bp, yp, N, g); break;
+              case 3: group_rows<QT, 3>(grp, nb, a, K, m, bp, yp, N, g); break;
+              case 2: group_rows<QT, 2>(grp, nb, a, K, m, bp, yp, N, g); break;
+              case 1: group_rows<QT, 1>(grp, nb, a, K, m, bp, yp, N, g); break;
+              default: break;
+            }
           }
         }
       });

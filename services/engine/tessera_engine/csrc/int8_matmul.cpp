@@ -55,7 +55,9 @@ namespace tessera {
 namespace {
 
 constexpr int64_t kRows = 16;  // output rows a group interleaves: one int32 lane each
-constexpr int64_t kTileMacs = 1 << 16;  // multiply-adds a tile of qlinear_i8 has at least (but one group)
+// qlinear_i8 hands out work in tiles of whole row groups, as many groups as reach this many
+// multiply-adds (one group when it has more)
+constexpr int64_t kTileMacs = 1 << 16;
 
 // the layouts of their own (no ggml type has these numbers): Q4_1 and Q8_0 with float32 fields,
 // Q5_0 with its fifth bits where the kernel reads them
@@ -406,8 +408,8 @@ at::Tensor qlinear_i8(const at::Tensor& x, const at::Tensor& wp, int64_t qt, con
     T* yp = out.data_ptr<T>();
     auto groups = [&](auto qtag) {
       constexpr int64_t QT = decltype(qtag)::value;
-      // tiles of whole row groups (tile_queue.h), enough groups a tile that its work outweighs
-      // taking it (a row group of one row is ~9K multiply-adds at K = 576)
+      // work tiles of `per` row groups (tile_queue.h), enough that a tile's work outweighs taking
+      // it (a row group of one row is ~9K multiply-adds at K = 576)
       const int64_t G = N / kRows, per = std::max<int64_t>(1, kTileMacs / std::max<int64_t>(1, M * kRows * K));
       run_tiles((G + per - 1) / per, [&](int64_t me, TileQueue& queue) {
         for (int64_t t = queue.take(me); t >= 0; t = queue.take(me)) {

@@ -1,5 +1,5 @@
 // tessera's CPU kernels: a layer's work cut into tiles that the OpenMP team's threads take
-// from shared runs (TileQueue, run_tiles), used by the matmuls.
+// from shared runs (TileQueue, run_tiles), used by the matmuls and decode attention.
 //
 // at::parallel_for splits a range evenly over the team before it starts. On cores shared with
 // the frontend, tokenizer and clients, one preempted thread then holds up the whole layer while

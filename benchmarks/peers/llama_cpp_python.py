@@ -1,8 +1,9 @@
 """llama.cpp as a peer for single-request decode on the same GGUF file (issue 21, item 5).
 
 llama.cpp runs the file's quantized weights as they are, which is what tessera's quantized
-path does too. It is installed once from PyPI (llama-cpp-python, built from source for
-this CPU: a few minutes) into its own venv outside the project, and each measurement runs
+path does too. It is installed once from PyPI (llama-cpp-python, built from its source package
+for this CPU, the AMX tile config patched as llama_server.py does: a few minutes) into its own
+venv outside the project, and each measurement runs
 in a fresh worker process of that venv: load the file, one warm-up generation, then one
 timed greedy generation of the same prompt token ids and length as ours (through the
 binding's Python generate loop, as a user of llama-cpp-python runs it), and the same tokens
@@ -34,6 +35,25 @@ def default_venv() -> pathlib.Path:
     return cache_dir() / "llama-cpp-venv"
 
 
+def patched_source(work: pathlib.Path) -> pathlib.Path:
+    """The source package, unpacked, its vendored llama.cpp's AMX tile config patched as
+    llama_server.py patches it (with GCC 12 the unpatched build crashes on AMX CPUs at start)."""
+    import tarfile
+
+    from peers.llama_server import AMX_TILE_CONFIG, patch_tile_config
+
+    source = work / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
+    if not (source / "pyproject.toml").exists():
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(work)], check=True)
+        with tarfile.open(next(work.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"))) as tar:
+            tar.extractall(work, filter="data")
+    if not patch_tile_config(source / "vendor" / "llama.cpp"):
+        print(f"note: no _tile_loadconfig call found in {AMX_TILE_CONFIG}; AMX path left as it is", file=sys.stderr)
+    return source
+
+
 def ensure_llama_cpp(venv: pathlib.Path, skip_install: bool = False) -> pathlib.Path:
     """The venv's python, with llama-cpp-python installed (once)."""
     py = venv / "bin" / "python"
@@ -47,7 +67,7 @@ def ensure_llama_cpp(venv: pathlib.Path, skip_install: bool = False) -> pathlib.
         venv.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True)
+                    str(patched_source(venv.parent / f"llama-cpp-python-{LLAMA_CPP_VERSION}-src"))], check=True)
     check = subprocess.run([str(py), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                            capture_output=True, text=True)
     if check.returncode != 0:

@@ -58,6 +58,11 @@ constexpr int64_t kRows = 16;  // output rows a group interleaves: one int32 lan
 // qlinear_i8 hands out work in tiles of whole row groups, as many groups as reach this many
 // multiply-adds (one group when it has more)
 constexpr int64_t kTileMacs = 1 << 16;
+// How far ahead of the block it computes group_rows asks for the weights. The hardware prefetchers
+// alone left a large layer's stream at 18-19 GB/s on 2 cores of an Intel Xeon (AMX, 2026-12-07;
+// Llama-3.2-1B's shapes at one row, kernel_steps.py --quantized llama1b): 21.6 GB/s with this,
+// the step's matmuls 13% faster; 512 and 2048 bytes alike; weights that fit the cache level.
+constexpr int64_t kPrefetchBytes = 1024;
 
 // the layouts of their own (no ggml type has these numbers): Q4_1 and Q8_0 with float32 fields,
 // Q5_0 with its fifth bits where the kernel reads them
@@ -279,6 +284,9 @@ inline void group_rows(const uint8_t* grp, int64_t nb, const QuantizedActivation
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = grp + b * gbb;
+    // the weight stream's lines kPrefetchBytes ahead (past a group's end: the next group's, which
+    // follows it in memory), asked for while this block computes
+    for (int64_t l = 0; l < gbb; l += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T0);
     __m512 d;
     if constexpr (scale_bytes(qt) == 4) d = _mm512_loadu_ps(blk + qb);
     else d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qb)));

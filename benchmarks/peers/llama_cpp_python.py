@@ -3,11 +3,11 @@
 llama.cpp runs the file's quantized weights as they are, which is what tessera's quantized
 path does too. It is installed once from PyPI (llama-cpp-python, built from its source package
 for this CPU, the AMX tile config patched as llama_server.py does: a few minutes) into its own
-venv outside the project, and each measurement runs
-in a fresh worker process of that venv: load the file, one warm-up generation, then one
-timed greedy generation of the same prompt token ids and length as ours (through the
-binding's Python generate loop, as a user of llama-cpp-python runs it), and the same tokens
-fed back one llama_decode at a time without sampling (what llama.cpp's llama-bench times).
+venv outside the project, and each measurement runs in a fresh worker process of that venv:
+load the file, one warm-up generation, then one timed greedy generation of the same prompt
+token ids and length as ours (through the binding's Python generate loop, as a user of
+llama-cpp-python runs it), and the same tokens fed back one llama_decode at a time without
+sampling (what llama.cpp's llama-bench times).
 
     python benchmarks/peers/llama_cpp_python.py --prompt-ids 1,504,3458 --tokens 256   # one measurement
 """

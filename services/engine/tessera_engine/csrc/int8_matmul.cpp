@@ -58,10 +58,9 @@ constexpr int64_t kRows = 16;  // output rows a group interleaves: one int32 lan
 // qlinear_i8 hands out work in tiles of whole row groups, as many groups as reach this many
 // multiply-adds (one group when it has more)
 constexpr int64_t kTileMacs = 1 << 16;
-// How far ahead of the block it computes group_rows asks for the weights. The hardware prefetchers
-// alone left a large layer's stream at 18-19 GB/s on 2 cores of an Intel Xeon (AMX, 2026-12-07;
-// Llama-3.2-1B's shapes at one row, kernel_steps.py --quantized llama1b): 21.6 GB/s with this,
-// the step's matmuls 13% faster; 512 and 2048 bytes alike; weights that fit the cache level.
+// How far ahead of the block it computes group_rows asks for the weights: at one row the hardware
+// prefetchers alone left a large layer's stream well below the memory's speed (on an Intel Xeon:
+// benchmarks/README, kernel_steps.py --quantized llama1b); 512 to 2048 bytes measured alike.
 constexpr int64_t kPrefetchBytes = 1024;
 
 // the layouts of their own (no ggml type has these numbers): Q4_1 and Q8_0 with float32 fields,

@@ -25,7 +25,7 @@ BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent
 if str(BENCHMARKS) not in sys.path:  # run as a script (also the worker, in the llama.cpp venv)
     sys.path.insert(0, str(BENCHMARKS))
 
-from peers import cache_dir  # noqa: E402
+from peers import cache_dir, run  # noqa: E402
 
 LLAMA_CPP_VERSION = "0.3.36"
 READY_STAMP = ".tessera-ready"
@@ -33,6 +33,17 @@ READY_STAMP = ".tessera-ready"
 
 def default_venv() -> pathlib.Path:
     return cache_dir() / "llama-cpp-venv"
+
+
+def download_sdist(dest: pathlib.Path) -> pathlib.Path:
+    """llama-cpp-python's source package (it vendors llama.cpp), downloaded from PyPI into dest
+    once: the archive's path."""
+    name = f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
+    if not (dest / name).exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+             "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", dest])
+    return dest / name
 
 
 def patched_source(work: pathlib.Path) -> pathlib.Path:
@@ -44,10 +55,7 @@ def patched_source(work: pathlib.Path) -> pathlib.Path:
 
     source = work / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
     if not (source / "pyproject.toml").exists():
-        work.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-                        "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(work)], check=True)
-        with tarfile.open(next(work.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"))) as tar:
+        with tarfile.open(download_sdist(work)) as tar:
             tar.extractall(work, filter="data")
     if not patch_tile_config(source / "vendor" / "llama.cpp"):
         print(f"note: no _tile_loadconfig call found in {AMX_TILE_CONFIG}; AMX path left as it is", file=sys.stderr)

@@ -28,7 +28,7 @@ if str(BENCHMARKS) not in sys.path:  # run as a script
     sys.path.insert(0, str(BENCHMARKS))
 
 from peers import cache_dir, log, run  # noqa: E402
-from peers.llama_cpp_python import LLAMA_CPP_VERSION  # noqa: E402
+from peers.llama_cpp_python import LLAMA_CPP_VERSION, download_sdist  # noqa: E402
 
 READY_STAMP = ".tessera-ready"
 AMX_TILE_CONFIG = "ggml/src/ggml-cpu/amx/mmq.cpp"
@@ -59,11 +59,7 @@ def unpack_source(work: pathlib.Path) -> pathlib.Path:
     source = work / "llama.cpp"
     if (source / "CMakeLists.txt").exists():
         return source
-    sdists = work / "sdist"
-    sdists.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-         "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", sdists])
-    archive = next(sdists.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"))
+    archive = download_sdist(work / "sdist")
     prefix = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]

@@ -3,7 +3,10 @@ chunks: at the engine's defaults (bfloat16 with the int8 quantized matmul where 
 them), on the default model with the prefix cache on; greedy and seeded sampling alike."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from tessera_engine.backend_plan import ALL_ROWS, plan_backends
 from tessera_engine.config import EngineConfig
@@ -60,6 +63,55 @@ def test_a_request_gives_the_same_tokens_alone_batched_cached_and_chunked(defaul
     chunked = run(EngineCore(EngineConfig(max_num_batched_tokens=16), loaded), prompts, params, "k")
     for name, got in (("first", first), ("cached", cached), ("batched", batched), ("chunked", chunked)):
         assert got == alone, f"{name}: {sum(a != b for a, b in zip(alone, got))} of {N} differ"
+
+
+@pytest.fixture(scope="module")
+def dense_prompt_plan():
+    return plan_backends(EngineConfig(prompt_matmul="dense"))
+
+
+def test_prompts_on_the_dense_weights_give_the_same_tokens_alone_batched_cached_chunked_and_preempted(
+        dense_prompt_plan, chat_prompts):
+    """--prompt-matmul dense (auto's choice where the dense matmul computes a prompt chunk faster,
+    as with AMX): prompt rows take the decoder layers' dense weights, output rows the quantized
+    matmul. The text still depends on the request alone: not on its batch, the prefix cache,
+    chunking, a preemption, nor on earlier requests whose outputs a later prompt repeats."""
+    plan, loaded = dense_prompt_plan
+    if not plan.prompt_dense:
+        pytest.skip(plan.why["prompt_matmul"])
+    config = EngineConfig(prompt_matmul="dense")
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    prompts = chat_prompts[:N]
+    runner = EngineCore(config, loaded).executor.runner
+    quantized = EngineCore(dataclasses.replace(config, prompt_matmul="quantized"), loaded).executor.runner
+    assert runner.prompt_dense and not quantized.prompt_dense
+    # the prompt does take another path: its last position's logits are not the quantized path's
+    assert not torch.equal(runner.last_logits(list(prompts[0])), quantized.last_logits(list(prompts[0])))
+    del runner, quantized
+
+    alone = [run(EngineCore(config, loaded), [p], params, "a")[0] for p in prompts]
+    core = EngineCore(config, loaded)
+    first = [run(core, [p], params, "f")[0] for p in prompts]
+    hits: list[int] = []
+    cached = [run(core, [p], params, "c", hits)[0] for p in prompts]
+    assert all(h >= 16 for h in hits), hits
+    batched = run(EngineCore(config, loaded), chat_prompts[:32], params, "b")[:N]
+    chunked = run(EngineCore(dataclasses.replace(config, max_num_batched_tokens=16), loaded), prompts, params, "k")
+    small = EngineCore(dataclasses.replace(config, num_kv_blocks=12), loaded)
+    preempted = run(small, prompts, params, "p")
+    assert small.scheduler.num_preemptions > 0
+    for name, got in (("first", first), ("cached", cached), ("batched", batched), ("chunked", chunked),
+                      ("preempted", preempted)):
+        assert got == alone, f"{name}: {sum(a != b for a, b in zip(alone, got))} of {N} differ"
+    # a prompt that repeats an earlier answer (a chat's next turn): the blocks that answer's
+    # outputs filled in `core` hold the quantized path's K/V, so the prompt does not reuse them
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    turns = [list(p) + out for p, out in zip(prompts[:3], alone)]
+    fresh = [run(EngineCore(config, loaded), [t], params, "n")[0] for t in turns]
+    hits = []
+    again = [run(core, [t], params, "r", hits)[0] for t in turns]
+    assert all(h < len(p) + 16 for h, p in zip(hits, prompts)), hits
+    assert again == fresh
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True),

@@ -191,28 +191,40 @@ def test_bfloat16_layers_run_repacked_weights_and_a_shared_model_keeps_its_layou
 @needs_vnni
 def test_a_batch_invariant_engine_drops_the_dense_copies_it_never_reads(chat_prompts):
     """Batch-invariant (the default), every batch size takes the quantized matmul: an engine that
-    loaded its own model frees the quantized layers' dense weights (~270 MB on the default model)
-    and answers as an engine over a shared model that keeps them."""
+    loaded its own model frees the quantized layers' dense weights (~270 MB on the default model),
+    but the decoder layers' where prompt rows take them, and answers as an engine over a shared
+    model that keeps them."""
     from tessera_engine.core import EngineCore
     from tessera_engine.models.llama import Linear
     from tessera_engine.request import EngineCoreRequest
     from tessera_engine.sampling_params import SamplingParams
 
-    own = EngineCore(EngineConfig(device="cpu", dtype="bfloat16", kv_cache_gib=0.25))
     from tessera_engine.models.loader import load_model
 
-    layers = [m for m in own.executor.model.modules() if isinstance(m, Linear)]
-    # the linear layers and the tied embedding table (lookup and lm_head both read the quantized one)
-    assert own.executor.plan.why["dense_copies"].startswith(f"dropped for {len(layers) + 1} quantized layers")
-    assert layers and all(m.dense_dropped and not m._pw.frozen for m in layers)
-    assert own.executor.model.embed_tokens.weight.numel() == 0
     shared = load_model(None, None, torch.bfloat16, torch.device("cpu"))
-    other = EngineCore(EngineConfig(device="cpu", dtype="bfloat16", kv_cache_gib=0.25), loaded=shared)
-    assert "dense_copies" not in other.executor.plan.why  # its caller may build engines of other plans over it
-    assert all(m._pw.frozen and not m.dense_dropped for m in shared.model.modules() if isinstance(m, Linear))
     reqs = [EngineCoreRequest(f"r{i}", list(p), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
             for i, p in enumerate(chat_prompts[:4])]
-    assert own.generate(reqs) == other.generate(reqs)
+    # prompt rows on the quantized matmul too: every dense copy goes; on the dense weights
+    # (--prompt-matmul dense): the decoder layers' stay, packed, the lm_head's go
+    for prompt in ("quantized", "dense"):
+        config = EngineConfig(device="cpu", dtype="bfloat16", kv_cache_gib=0.25, prompt_matmul=prompt)
+        own = EngineCore(config)
+        assert own.executor.plan.prompt_dense == (prompt == "dense"), own.executor.plan.why["prompt_matmul"]
+        model = own.executor.model
+        layers = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        # the tied embedding table goes in both (lookup and lm_head both read the quantized one)
+        dropped = len(layers) + 1 if prompt == "quantized" else 1
+        assert own.executor.plan.why["dense_copies"].startswith(f"dropped for {dropped} quantized layers")
+        if prompt == "quantized":
+            assert layers and all(m.dense_dropped and not m._pw.frozen for m in layers)
+        else:
+            assert layers and all(m._pw.frozen and not m.dense_dropped for m in layers)
+        assert model.embed_tokens.weight.numel() == 0
+        other = EngineCore(config, loaded=shared)
+        assert "dense_copies" not in other.executor.plan.why  # its caller may build engines of other plans over it
+        assert all(m._pw.frozen and not m.dense_dropped for m in shared.model.modules() if isinstance(m, Linear))
+        assert own.generate(reqs) == other.generate(reqs)
+        del own, model, layers
 
 
 @needs_vnni

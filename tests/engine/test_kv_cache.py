@@ -175,3 +175,44 @@ def test_block_hashes_are_sha256_chained_over_fixed_width_inputs():
     assert hash_block(None, [5, 6, 7, 8]) != second  # the parent is part of the name
     assert hash_block(first, [5, 6, 7, 9]) != second
     assert hash_block(None, (1, 2, 3, 4)) == first  # any sequence of ids
+
+
+def test_with_outputs_apart_a_block_of_output_tokens_serves_only_the_sample_that_made_them():
+    """Prompt rows on the dense matmul, output rows on the quantized one (outputs_apart): a
+    block holding output tokens has other K/V than the same tokens in a prompt, so a prompt
+    never hits it, whole or partly; the sample that made it (recomputing after a preemption)
+    does."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, outputs_apart=True)
+    a = make_req("a", 6)  # prompt 0..5: block 0 all prompt, block 1 half prompt
+    assert kv.allocate(a, 6)
+    a.num_computed_tokens = 6
+    for t in (6, 7, 8, 9, 10):  # outputs that continue the count: 0..10
+        a.append_output_token(t)
+        assert kv.allocate(a, 1)
+        a.num_computed_tokens += 1
+    table = kv.block_table(a)
+    # a prompt of the same tokens: block 0 only, and of block 1 the 2 tokens that were a's prompt
+    b = make_req("b", 12)
+    assert kv.find_cached_prefix(b) == PrefixHit(([table[0]],), 6, table[1], 2)
+    # without outputs apart the same prompt takes blocks 0 and 1 whole
+    plain = KVCacheManager(num_blocks=16, block_size=4)
+    assert plain.allocate(a, 11) and plain.find_cached_prefix(b).num_tokens == 8
+    # a itself, preempted and back: its own whole blocks, outputs included; a partial hit copies
+    # prompt tokens only, so none into its third block (outputs only)
+    kv.free(a)
+    a.num_computed_tokens = 0
+    assert kv.find_cached_prefix(a) == PrefixHit((table[:2],), 8)
+
+
+def test_without_outputs_apart_block_hashes_name_tokens_only():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_req("a", 6)
+    kv.allocate(a, 6)
+    a.num_computed_tokens = 6
+    a.append_output_token(6)
+    a.append_output_token(7)
+    b = make_req("b", 8)
+    assert kv._block_hashes(a, 8) == kv._block_hashes(b, 8)
+    apart = KVCacheManager(num_blocks=8, block_size=4, outputs_apart=True)
+    assert apart._block_hashes(a, 8)[0] == kv._block_hashes(a, 8)[0]  # all prompt: the same hash
+    assert apart._block_hashes(a, 8)[1] != apart._block_hashes(b, 8)[1]

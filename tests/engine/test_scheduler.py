@@ -73,3 +73,24 @@ def test_priority_policy_orders_waiting_and_preempts_lowest():
     s.add_request(make_req("high", 4, arrival=1, priority=0))
     out = s.schedule()
     assert out.scheduled[0].sample.request_id == "high"
+
+
+def test_with_prompt_apart_a_recomputed_sample_stops_its_chunk_at_the_end_of_its_prompt():
+    """Prompt and output tokens take different matmuls (the plan's prompt_dense): a preempted
+    sample's recomputation takes its prompt in one chunk and its outputs in the next."""
+    from tessera_engine.config import EngineConfig
+    from tessera_engine.kv_cache import KVCacheManager
+    from tessera_engine.scheduler import Scheduler
+
+    config = EngineConfig(block_size=4, enable_prefix_caching=False)
+    s = Scheduler(config, KVCacheManager(100, 4, False, outputs_apart=True), 1000, 512, prompt_apart=True)
+    a = make_req("a", 10, max_tokens=20)
+    s.add_request(a)
+    for _ in range(6):
+        run_step(s)
+    assert a.num_output_tokens == 6
+    s._preempt(a)
+    chunks = [(x.start, x.num_new_tokens) for x in run_step(s).scheduled]
+    chunks += [(x.start, x.num_new_tokens) for x in run_step(s).scheduled]
+    assert chunks == [(0, 10), (10, 6)]
+    assert a.num_output_tokens == 7  # the output chunk reached the last token and sampled

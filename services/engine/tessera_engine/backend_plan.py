@@ -23,7 +23,7 @@ from tessera_engine.attention import CpuKernelAttention, TorchAttention
 from tessera_engine.config import DTYPES, EngineConfig
 from tessera_engine.models.loader import LoadedModel, load_model
 from tessera_engine.ops import CpuKernelOps, TorchOps
-from tessera_engine.quantized_crossover import crossover_rows
+from tessera_engine.quantized_crossover import crossover_rows, prompt_rows_dense
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,29 @@ def batch_invariance(config: EngineConfig, kernels, dense: str, rows: int) -> tu
     return True, "one matmul path per layer for every batch size, attention computed per row"
 
 
+def choose_prompt_matmul(setting: str, model, ops, dtype: torch.dtype, dense: str, rows: int,
+                         invariant: bool) -> tuple[bool, str]:
+    """Whether a prompt's rows take the decoder layers' dense weights while output rows keep the
+    quantized matmul (batch-invariant plans). Which path a row takes then depends on its request
+    alone (prompt or output), never on its batch, so the same request still gives the same text
+    however it runs (the scheduler keeps prompt and output tokens in separate chunks, the prefix
+    cache keeps blocks of output tokens apart). A prompt chunk is many rows, where the dense bf16
+    matmul computes faster on AMX; output rows are few per request, where reading fewer bytes a
+    weight wins. auto: timed on the loaded model (quantized_crossover.prompt_rows_dense)."""
+    if setting == "quantized":
+        return False, "set by --prompt-matmul"
+    if rows != ALL_ROWS or not invariant:
+        return False, "only where every batch size takes the quantized matmul (batch-invariant)"
+    if dense == "torch":
+        return False, "dense matmuls in torch (F.linear) compute one row differently from several"
+    if not model.has_dense_layers():
+        return False, "the decoder layers' dense weights were dropped"
+    if setting == "dense":
+        return True, "set by --prompt-matmul"
+    dense_wins, why = prompt_rows_dense(model, ops, dtype)
+    return dense_wins, "auto: " + why
+
+
 def choose_decoder_stack(config: EngineConfig, kernels, rows: int) -> tuple[bool, str]:
     """Whether a step of up to `rows` rows may run the decoder layers in one C++ call (the
     kernels' DecoderStack: the Python loop's kernel calls, made without the interpreter between
@@ -133,6 +156,7 @@ class BackendPlan:
     quantized_matmul: str       # how they are multiplied: int8, exact (ops.quantized_path), none
     quantized_max_rows: int     # layers with quantized blocks run them up to this many rows (0: never)
     batch_invariant: bool       # a row's results do not depend on the rows beside it (as far as the plan can)
+    prompt_dense: bool          # prompt rows take the decoder layers' dense weights, output rows the quantized
     token_budget: int           # tokens one step may compute
     decoder_stack: bool         # the model may run its decoder layers in one C++ call (kernels' DecoderStack)
     why: types.MappingProxyType  # each decision's reason, by name
@@ -153,7 +177,7 @@ class BackendPlan:
                 "keep_quantized": self.keep_quantized, "quantized_matmul": self.quantized_matmul,
                 "quantized_max_rows": "all" if self.quantized_max_rows == ALL_ROWS else self.quantized_max_rows,
                 "decoder_stack": self.decoder_stack,
-                "batch_invariant": self.batch_invariant,
+                "batch_invariant": self.batch_invariant, "prompt_dense": self.prompt_dense,
                 "token_budget": self.token_budget,
                 "why": dict(self.why)}
 
@@ -216,14 +240,14 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
             raise ValueError(f"the model given is {weight.dtype} on {weight.device.type}; this engine's plan "
                              f"is {dtype} on {device.type}")
     # batch-invariant, every batch size takes the quantized matmul (below): the dense copies of
-    # those layers would never be read. A model given by the caller may serve other plans: kept.
+    # those layers are never read, but for the decoder layers' where prompt rows take them (timed
+    # on the packed weights, so dropped after). A model given by the caller may serve other plans: kept.
     drop = (keep and own_model and config.batch_invariant and config.quantized_max_rows is None
             and loaded.model.has_quantized())
-    dropped = prepare_weights(loaded.model, ops, keep, drop)
+    drop_now = drop and (config.prompt_matmul == "quantized" or dense == "torch")
+    dropped = prepare_weights(loaded.model, ops, keep, drop_now)
     if not keep:
         why["quantized_matmul"] = "no quantized blocks kept"
-    if drop:
-        why["dense_copies"] = f"dropped for {dropped} quantized layers: batch-invariant, never read"
 
     if not keep:
         rows, why["quantized_max_rows"] = 0, "no quantized blocks kept"
@@ -237,10 +261,17 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
     else:
         rows, why["quantized_max_rows"] = crossover_rows(loaded.model, ops, dtype)
     invariant, why["batch_invariant"] = batch_invariance(config, kernels, dense, rows)
+    prompt_dense, why["prompt_matmul"] = choose_prompt_matmul(config.prompt_matmul, loaded.model, ops, dtype,
+                                                              dense, rows, invariant)
+    if drop and not drop_now:
+        dropped = loaded.model.drop_dense_of_quantized(keep_layers=prompt_dense)
+    if drop:
+        why["dense_copies"] = (f"dropped for {dropped} quantized layers: batch-invariant, never read"
+                               + (" (the decoder layers' kept for prompt rows)" if prompt_dense else ""))
 
     budget, why["token_budget"] = choose_token_budget(config.max_num_batched_tokens, device)
     stack, why["decoder_stack"] = choose_decoder_stack(config, kernels, rows)
     plan = BackendPlan(device, dtype, kernels, ops, dense, keep, ops.quantized_matmul if keep else "none", rows,
-                       invariant, budget, stack, types.MappingProxyType(why))
+                       invariant, prompt_dense, budget, stack, types.MappingProxyType(why))
     log.info("backend plan", extra=plan.describe())
     return plan, loaded

@@ -14,6 +14,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZED_MATMULS = ("auto", "int8", "exact")
+PROMPT_MATMULS = ("auto", "dense", "quantized")
 
 
 @dataclasses.dataclass
@@ -67,6 +68,10 @@ class EngineConfig:
     # dtype, bit for bit the dequantized weights), int8 (activations quantized to int8 per
     # 16 values, integer dot products: llama.cpp's method) or auto (backend_plan)
     quantized_matmul: str = "auto"
+    # batch-invariant with quantized layers: which matmul a prompt's rows take, the decoder
+    # layers' dense weights or their quantized ones (output rows always the quantized one):
+    # auto (timed at start, backend_plan), dense or quantized
+    prompt_matmul: str = "auto"
     # LoRA adapters (lora.py): served at all (--enable-lora; --lora-modules implies it), those
     # loaded at start as (name, path) pairs, how many run in one step, the largest rank taken
     enable_lora: bool = False
@@ -88,6 +93,8 @@ class EngineConfig:
         if self.quantized_matmul not in QUANTIZED_MATMULS:
             raise ValueError(f"quantized_matmul must be one of {', '.join(QUANTIZED_MATMULS)}, "
                              f"not {self.quantized_matmul!r}")
+        if self.prompt_matmul not in PROMPT_MATMULS:
+            raise ValueError(f"prompt_matmul must be one of {', '.join(PROMPT_MATMULS)}, not {self.prompt_matmul!r}")
         from tessera_engine.speculative import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)

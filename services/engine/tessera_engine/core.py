@@ -67,14 +67,17 @@ class EngineCore:
         self.vocab_size = self.executor.hf_config.vocab_size
         eos = getattr(self.executor.hf_config, "eos_token_id", None)
         self.default_eos = [eos] if isinstance(eos, int) else list(eos or [])
+        plan = self.executor.plan
         self.kv_cache = KVCacheManager(self.executor.num_blocks, config.block_size,
-                                       config.enable_prefix_caching, self.executor.kv_layout.windows)
+                                       config.enable_prefix_caching, self.executor.kv_layout.windows,
+                                       outputs_apart=plan.prompt_dense)
         speculative = SpeculativeConfig.parse(config.speculative_config)
         proposer = None
         if speculative is not None:
             proposer = (self.executor.draft_proposer(speculative) if speculative.method == "draft_model"
                         else NgramProposer(speculative))
-        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, self.executor.plan.token_budget, proposer)
+        self.scheduler = Scheduler(config, self.kv_cache, self.max_model_len, plan.token_budget, proposer,
+                                   prompt_apart=plan.prompt_dense)
         if speculative is not None and speculative.disable_by_batch_size is None:
             self.scheduler.step_cost = self._step_cost()  # a set disable_by_batch_size decides alone
             proposer.measure_cost()

@@ -66,7 +66,7 @@ class DraftModelProposer:
         prepare_weights(model, plan.ops, plan.keep_quantized, drop_dense=rows > 0)
         self.config = config
         self.runner = ModelRunner(model, loaded.hf_config, num_blocks, block_size,
-                                  dataclasses.replace(plan, quantized_max_rows=rows))
+                                  dataclasses.replace(plan, quantized_max_rows=rows, prompt_dense=False))
         self.block_size = block_size
         self.max_model_len = min(max_model_len, loaded.max_model_len)
         self.free = list(range(num_blocks))
@@ -157,7 +157,7 @@ class DraftModelProposer:
 
     def _greedy_last_rows(self, scheduled: list[ScheduledSample]) -> list[int]:
         """One forward pass over these chunks; the argmax of each chunk's last row, in order."""
-        ordered, input_ids, positions, metas = self.runner._prepare(scheduled)
+        ordered, input_ids, positions, metas, _ = self.runner._prepare(scheduled)  # the draft: no prompt rows apart
         hidden = self.runner.model(input_ids, positions, self.runner.kv_caches, metas)
         ends, offset = {}, 0
         for s in ordered:

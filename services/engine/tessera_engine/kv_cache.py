@@ -32,6 +32,12 @@ reaches. The whole-and-partial-block hits above need one full-attention group.
 K/V depends on more than the tokens where a LoRA adapter runs (its K and V projections):
 such a request's chain starts from its `cache_salt` (a hash naming the adapter and the load
 it came from) instead of nothing, so it shares blocks only with requests of the same adapter.
+
+K/V depends on whether a token was the sample's prompt or its output where the backend plan
+computes prompt rows on the dense matmul and output rows on the quantized one (`prompt_dense`):
+then (`outputs_apart`) a block holding output tokens is hashed with how many of its tokens were
+prompt, so only a sample with the same prompt and outputs (itself after a preemption, another
+of its n) reuses it, and a partial-block hit copies prompt tokens only.
 """
 from __future__ import annotations
 
@@ -104,18 +110,27 @@ def partial_key(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     return (parent_hash or b"") + array("q", token_ids).tobytes()
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], prompt_tokens: int | None = None) -> bytes:
     """sha256 of the parent's 32-byte hash (nothing for the first block) and the block's
-    token ids as int64: fixed widths, so no two (parent, tokens) pairs share an input."""
+    token ids as int64: fixed widths, so no two (parent, tokens) pairs share an input.
+    prompt_tokens: how many of the tokens are the sample's prompt, for a block that holds
+    output tokens too, where those were computed otherwise (KVCacheManager.outputs_apart);
+    an int64 more, so such a block never shares a hash with a block of prompt tokens only."""
     h = hashlib.sha256(parent_hash or b"")
     h.update(array("q", token_ids).tobytes())
+    if prompt_tokens is not None:
+        h.update(array("q", [prompt_tokens]).tobytes())
     return h.digest()
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)) -> None:
-        """windows: each KV cache group's sliding window (None: full attention), kv_layout's order."""
+                 windows: Sequence[int | None] = (None,), outputs_apart: bool = False) -> None:
+        """windows: each KV cache group's sliding window (None: full attention), kv_layout's order.
+        outputs_apart: a sample's output tokens get other K/V than the same tokens in a prompt
+        (the backend plan's prompt_dense: prompt rows on the dense matmul, output rows on the
+        quantized one), so a block holding output tokens is cached apart (hash_block's
+        prompt_tokens) and a partial-block hit copies prompt tokens only."""
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         if not windows:
@@ -126,6 +141,7 @@ class KVCacheManager:
         self.window_groups = [g for g, w in enumerate(self.windows) if w]
         # partial-block hits copy one block's first slots: one full-attention group only
         self.partial_hits = self.windows == [None]
+        self.outputs_apart = outputs_apart
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = evicted first). dict keeps insertion order.
@@ -186,8 +202,14 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else req.cache_salt
-            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], self._prompt_part(req, i)))
         return hashes
+
+    def _prompt_part(self, req: Sample, i: int) -> int | None:
+        """How many of block i's tokens are the sample's prompt where that is not all of them and
+        outputs are cached apart; else None."""
+        n = req.num_prompt_tokens - i * self.block_size
+        return max(n, 0) if self.outputs_apart and n < self.block_size else None
 
     def find_cached_prefix(self, req: Sample) -> PrefixHit:
         """Longest cached prefix of a request about to be scheduled from scratch.
@@ -212,7 +234,10 @@ class KVCacheManager:
                 break
             found.append(block_id)
         num = len(found) * self.block_size
-        rest = req.all_token_ids[num:num + min(self.block_size - 1, max_tokens - num)]
+        end = num + min(self.block_size - 1, max_tokens - num)
+        if self.outputs_apart:  # only prompt tokens are published by their first tokens (_publish_partial)
+            end = min(end, req.num_prompt_tokens)
+        rest = req.all_token_ids[num:end]
         src, t = self._find_partial(hashes[len(found) - 1] if found else req.cache_salt, rest)
         if src in self._step_copies:
             # the source's first slots are themselves copied this step, and the step's copies
@@ -399,11 +424,14 @@ class KVCacheManager:
                     block.block_hash = h
                     cached[h] = block.block_id
                     if self.partial_hits:
+                        part = self._prompt_part(req, i)
                         self._publish_partial(block, hashes[i - 1] if i else req.cache_salt,
-                                              req.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+                                              req.all_token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                              self.block_size - 1 if part is None else part)
 
-    def _publish_partial(self, block: Block, parent: bytes | None, tokens: Sequence[int]) -> None:
-        block.partial_keys = [partial_key(parent, tokens[:t]) for t in range(1, self.block_size)]
+    def _publish_partial(self, block: Block, parent: bytes | None, tokens: Sequence[int], longest: int) -> None:
+        """Publish the block by its first t tokens, for t up to `longest` (< block_size)."""
+        block.partial_keys = [partial_key(parent, tokens[:t]) for t in range(1, longest + 1)]
         for key in block.partial_keys:
             self.partial.setdefault(key, {})[block.block_id] = None
 

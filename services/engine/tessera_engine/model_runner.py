@@ -69,6 +69,7 @@ class ModelRunner:
         self.attention = plan.attention(block_size, hf_config.num_key_value_heads)
         self.ops = plan.ops
         paths = model.use_backend(self.attention, self.ops, plan.quantized_max_rows, plan.decoder_stack)
+        self.prompt_dense = plan.prompt_dense  # prompt rows last in the flat batch, on the dense weights
         log.info("linear layers", extra={"paths": paths, "dense_matmul": plan.dense_matmul,
                                          "quantized_max_rows": plan.quantized_max_rows if set(paths) - {"dense"} else 0,
                                          "decoder_layers": model.decoder_layers,
@@ -86,11 +87,18 @@ class ModelRunner:
 
     def _prepare(self, scheduled: list[ScheduledSample], kv_copies: list[KVCopy] = ()):
         """The step's flat batch (decodes first, then prefill chunks) and each layer's attention
-        metadata (one object per KV cache group)."""
+        metadata (one object per KV cache group); with prompt_dense, chunks of prompt tokens (a
+        one-token one too) after every output token, and the first prompt row (None: none)."""
         bs = self.block_size
         dev = self.device
+        prompt = []
+        if self.prompt_dense:  # the scheduler's chunks are all prompt or all output (prompt_apart)
+            prompt = [s for s in scheduled if s.start < s.sample.num_prompt_tokens]
+            scheduled = [s for s in scheduled if s.start >= s.sample.num_prompt_tokens]
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        dense_from = len(decodes) + sum(s.num_new_tokens for s in prefills) if prompt else None
+        prefills += prompt
         ids: list[int] = []
         pos: list[int] = []
         for s in decodes:
@@ -110,7 +118,7 @@ class ModelRunner:
             dst = [c.dst * bs + i for c in kv_copies for i in range(c.num_tokens)]
             group_metas[0].copy_slots = (torch.tensor(src, dtype=torch.long, device=dev),
                                          torch.tensor(dst, dtype=torch.long, device=dev))
-        return decodes + prefills, input_ids, positions, [group_metas[g] for g in self.layout.layer_group]
+        return decodes + prefills, input_ids, positions, [group_metas[g] for g in self.layout.layer_group], dense_from
 
     def _group_metadata(self, g: int, window: int | None, decodes: list[ScheduledSample],
                         prefills: list[ScheduledSample], positions: torch.Tensor):
@@ -143,11 +151,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        ordered, input_ids, positions, metas = self._prepare(sched.scheduled, sched.kv_copies)
+        ordered, input_ids, positions, metas, dense_from = self._prepare(sched.scheduled, sched.kv_copies)
         if self.lora is not None:  # each row's adapter slot, in the flat batch's order
             self.lora.prepare([(s.sample.lora, s.num_new_tokens) for s in ordered])
         try:
-            hidden = self.model(input_ids, positions, self.kv_caches, metas)
+            hidden = self.model(input_ids, positions, self.kv_caches, metas, dense_from)
         finally:
             if self.lora is not None:
                 self.lora.clear()  # warm-up, timing and accuracy passes run the base model
@@ -253,18 +261,19 @@ class ModelRunner:
         """One prompt's next-token logits [vocab], computed alone in one chunk outside any step
         (warm_up's prefill; accuracy checks: tests and benchmarks compare backends on it). Only
         while no request holds a block: it writes K/V from block 0 on."""
-        return self.model.compute_logits(self._one_chunk(token_ids)[-1:])[0]
+        return self.model.compute_logits(self._one_chunk(token_ids, prompt=True)[-1:])[0]
 
-    def _one_chunk(self, token_ids: list[int]) -> torch.Tensor:
+    def _one_chunk(self, token_ids: list[int], prompt: bool = False) -> torch.Tensor:
         """The hidden states of these tokens run alone as one chunk from position 0, K/V written
-        from block 0 on (callers run it only while no request holds a block)."""
+        from block 0 on (callers run it only while no request holds a block); prompt: computed
+        as a prompt is (prompt_dense), else as output tokens are."""
         n = len(token_ids)
         positions = torch.arange(n, dtype=torch.long, device=self.device)
         table = list(range(-(-n // self.block_size)))
         metas = self._same_for_every_group(lambda window: self.attention.build_metadata(
             positions.clone(), positions, [], [PrefillChunk(0, 0, n, table)], window))
         return self.model(torch.tensor(token_ids, dtype=torch.long, device=self.device), positions,
-                          self.kv_caches, metas)
+                          self.kv_caches, metas, 0 if prompt and self.prompt_dense else None)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, offset: int, s: ScheduledSample
                          ) -> list[TokenLogprobs | None]:

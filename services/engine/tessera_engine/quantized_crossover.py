@@ -1,11 +1,13 @@
-"""Up to how many rows the quantized matmul beats the dense one, timed on the loaded model.
+"""Up to how many rows the quantized matmul beats the dense one, and which is faster on a prompt
+chunk, timed on the loaded model.
 
 At one row a matmul is a pass over its weights, and the quantized one reads a fraction of the
 bytes; as rows grow the dense matmul's better arithmetic wins. Where they cross depends on the
 CPU (its memory bandwidth, AVX-512 / AMX), the thread count, the dtype and the weights' types
 and shapes, so it is measured, over every layer that has quantized blocks (the real weights,
-in order, so that caches behave as in a step), at a few batch sizes found by bisection. The
-answer is cached per CPU model, threads, dtype, packing and weight shapes, so an engine pays
+in order, so that caches behave as in a step), at a few batch sizes found by bisection. Prompt
+chunks (prompt_rows_dense) are timed once, at PROMPT_ROWS rows. The
+answers are cached per CPU model, threads, dtype, packing and weight shapes, so an engine pays
 for the timing once per machine and model (the cache: $TESSERA_CACHE_DIR, else
 $XDG_CACHE_HOME/tessera or ~/.cache/tessera).
 """
@@ -27,6 +29,9 @@ from tessera.common.cpu_load import system_busy_s
 log = logging.getLogger(__name__)
 
 CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# a prompt chunk, for timing the prompt rows' path (prompt_rows_dense): a burst's chunks of
+# the CPU token budget (512) hold a few prompts each; a lone chat prompt is tens of rows
+PROMPT_ROWS = 256
 REPEATS = 7
 MIN_REPEATS = 3
 REPEAT_BUDGET_S = 0.3  # past MIN_REPEATS, no more repeats once a row count has taken this long
@@ -147,37 +152,64 @@ def crossover_rows(model, ops, dtype: torch.dtype) -> tuple[int, str]:
     """quantized_max_rows for this model on this machine, and why (measured now, or cached)."""
     pairs = model.matmul_pairs()
     key = cache_key(pairs, dtype, f"{ops.dense_packing.name}|{ops.quantized_matmul}", getattr(ops, "kernels", None))
+    return _answer(key, "rows", int, lambda: measure(pairs, dtype),
+                   lambda rows: f"quantized faster up to {rows} rows")
+
+
+def measure_prompt_rows(pairs, dtype: torch.dtype) -> tuple[bool, dict]:
+    """Whether the dense pass beats the quantized one at PROMPT_ROWS rows, and the timings."""
+    timings: dict[int, tuple[float, float, float]] = {}
+    return not _quantized_wins(pairs, PROMPT_ROWS, dtype, timings), timings
+
+
+def prompt_rows_dense(model, ops, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether a prompt chunk's rows are faster on the decoder layers' dense weights than on their
+    quantized ones on this machine (timed over those layers at PROMPT_ROWS rows, or cached): with
+    AMX the dense bf16 matmul is several times the int8 one on a prompt chunk, without it the
+    int8 one may stay ahead. The answer does not depend on the token budget, so that every
+    engine on this machine and model computes a prompt alike."""
+    pairs = model.matmul_pairs(lm_head=False)
+    key = cache_key(pairs, dtype, f"{ops.dense_packing.name}|{ops.quantized_matmul}|prompt{PROMPT_ROWS}",
+                    getattr(ops, "kernels", None))
+    return _answer(key, "prompt_dense", bool, lambda: measure_prompt_rows(pairs, dtype),
+                   lambda dense: f"{'dense' if dense else 'quantized'} faster on {PROMPT_ROWS}-row prompt chunks")
+
+
+def _answer(key: str, field: str, kind: type, timed, describe) -> tuple:
+    """A timed answer (`timed()` -> (answer, timings)): this process's earlier one, the cache's,
+    or timed now, again while other processes keep the CPUs busy (ATTEMPTS in all: the middle
+    answer then), and cached only when the machine was quiet."""
     if key in _measured:
         return _measured[key], "timed by this process for an earlier engine"
     cached = _read_cache().get(key)
-    if isinstance(cached, dict) and isinstance(cached.get("rows"), int):
-        return cached["rows"], f"timed on this CPU before ({cache_path()})"
+    if isinstance(cached, dict) and type(cached.get(field)) is kind:
+        return cached[field], f"timed on this CPU before ({cache_path()})"
     t0 = time.perf_counter()
     answers = []
     for _ in range(ATTEMPTS):
-        rows, timings, foreign = _timed_measure(pairs, dtype)
-        answers.append(rows)
+        answer, timings, foreign = _timed_measure(timed)
+        answers.append(answer)
         quiet = foreign is not None and foreign <= QUIET_CORES
         if quiet:
             break
     else:  # never quiet: the middle answer of the attempts
-        rows = sorted(answers)[len(answers) // 2]
+        answer = sorted(answers)[len(answers) // 2]
     wall = time.perf_counter() - t0
-    _measured[key] = rows
-    log.info("quantized crossover timed", extra={
-        "rows": rows, "took_ms": round(wall * 1000, 1), "attempts": answers, "last_timings_ms": timings,
+    _measured[key] = answer
+    log.info("matmul paths timed", extra={
+        field: answer, "took_ms": round(wall * 1000, 1), "attempts": answers, "last_timings_ms": timings,
         "foreign_cores": None if foreign is None else round(foreign, 2), "cached": quiet})
     if quiet:
-        _write_cache(key, {"rows": rows, "timings_ms": {str(r): t for r, t in timings.items()},
+        _write_cache(key, {field: answer, "timings_ms": {str(r): t for r, t in timings.items()},
                            "measured": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        return rows, f"timed at start: quantized faster up to {rows} rows (cached for later starts)"
-    return rows, f"timed at start on a busy machine: quantized faster up to {rows} rows (not cached)"
+        return answer, f"timed at start: {describe(answer)} (cached for later starts)"
+    return answer, f"timed at start on a busy machine: {describe(answer)} (not cached)"
 
 
-def _timed_measure(pairs, dtype: torch.dtype) -> tuple[int, dict, float | None]:
-    """measure(), and the other processes' CPU use meanwhile, in cores (None: unknown)."""
+def _timed_measure(timed) -> tuple[object, dict, float | None]:
+    """timed()'s answer and timings, and the other processes' CPU use meanwhile, in cores (None: unknown)."""
     t0, busy0, own0 = time.perf_counter(), system_busy_s(), time.process_time()
-    rows, timings = measure(pairs, dtype)
+    rows, timings = timed()
     wall = time.perf_counter() - t0
     busy1, own1 = system_busy_s(), time.process_time()
     foreign = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall

@@ -39,14 +39,18 @@ _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 token_budget: int, proposer=None) -> None:
+                 token_budget: int, proposer=None, prompt_apart: bool = False) -> None:
         """proposer: speculative decoding's (speculative.py: n-gram, or the executor's draft
-        model), carrying its configuration; None: no speculation."""
+        model), carrying its configuration; None: no speculation. prompt_apart: prompt and
+        output tokens take different matmuls (the backend plan's prompt_dense), so no chunk
+        holds both: a preempted or resumed sample's recomputation stops at the end of its
+        prompt, and its outputs follow in the next step."""
         self.config = config
         self.kv = kv_cache
         self.max_model_len = max_model_len
         self.priority = config.scheduling_policy == "priority"
         self.token_budget = token_budget  # tokens one step may compute (the backend plan's)
+        self.prompt_apart = prompt_apart
         self.waiting: list[Sample] = []
         self.arrived: list[Sample] = []  # fcfs: added since the last step, queued at its start
         self.running: list[Sample] = []
@@ -173,7 +177,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, req.num_computed_tokens, budget)
             draft = drafts.get(req.key)
             if draft and num_new == 1 and len(draft) < budget:
                 if self.kv.allocate(req, 1 + len(draft)):
@@ -218,7 +222,7 @@ class Scheduler:
                 continue
             hit = self.kv.find_cached_prefix(req)
             num_cached = hit.num_tokens
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = self._chunk(req, num_cached, budget)
             if not self.kv.allocate(req, num_new, hit):
                 break
             copy = self.kv.copy_for(req, hit)
@@ -239,6 +243,13 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, preempted, self.token_budget - budget, kv_copies)
+
+    def _chunk(self, req: Sample, num_computed: int, budget: int) -> int:
+        """How many of the sample's tokens from num_computed on its next chunk takes."""
+        end = req.num_tokens
+        if self.prompt_apart and num_computed < req.num_prompt_tokens:
+            end = req.num_prompt_tokens
+        return min(end - num_computed, budget)
 
     def _drafts(self, budget: int) -> dict[SampleKey, list[int]]:
         """This step's guesses, by sample: none unless, by the measured step cost and the

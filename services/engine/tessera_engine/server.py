@@ -477,6 +477,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                   "16 values, integer dot products on AVX512-VNNI, as llama.cpp; Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K "
                   "weights), exact (each block dequantized to the activations' dtype), auto (int8 in "
                   "bfloat16 where the kernels have VNNI, exact in float32)")
+    add_flag(p, "--prompt-matmul", "TESSERA_PROMPT_MATMUL", "auto", choices=["auto", "dense", "quantized"],
+             help="GGUF on CPU, batch-invariant: which matmul a prompt's rows take in the decoder layers: dense "
+                  "(their bf16 weights, kept for it: AMX computes a prompt chunk several times faster), "
+                  "quantized (as output rows always do), auto (timed at first start on this CPU and model, "
+                  "then cached)")
     add_flag(p, "--enforce-eager", "TESSERA_ENFORCE_EAGER", False, type=bool,
              help="CPU kernels: run the decoder layers from the Python loop, op by op, instead of in one C++ "
                   "call a step (DecoderStack: the same kernel calls, the same results, without ~280 "
@@ -526,7 +531,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_threads_bind=args.cpu_threads_bind,
         cpu_kernels=args.cpu_kernels, cpu_kernels_prebuilt=args.cpu_kernels_prebuilt,
         gguf_dequantize=args.gguf_dequantize, quantized_max_rows=args.quantized_max_rows,
-        quantized_matmul=args.quantized_matmul, batch_invariant=args.batch_invariant,
+        quantized_matmul=args.quantized_matmul, prompt_matmul=args.prompt_matmul,
+        batch_invariant=args.batch_invariant,
         enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config, enable_lora=args.enable_lora, lora_modules=args.lora_modules,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)

@@ -28,7 +28,7 @@ from torch import nn
 
 from tessera_engine.attention import AttentionMetadata, TorchAttention
 from tessera_engine.models.llama import (Linear, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
-                                         LlamaMLP, RMSNorm, attention_windows)
+                                         LlamaMLP, RMSNorm, RowSplit, attention_windows)
 from tessera_engine.models.packed_linear import PackedWeight
 from tessera_engine.models.quantized import QuantizedWeight
 from tessera_engine.models.rotary import RotaryEmbedding
@@ -129,12 +129,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.tied_qlinear = None
         self.tied_q_max_rows = 0
         self.attention: TorchAttention | None = None
+        self.split = RowSplit()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                metas: list[AttentionMetadata]) -> torch.Tensor:
+                metas: list[AttentionMetadata], dense_from: int | None = None) -> torch.Tensor:
         """Flat batch of T tokens → final hidden states [T, hidden]. kv_caches, metas: each
-        layer's cache tensors and its KV cache group's step metadata."""
+        layer's cache tensors and its KV cache group's step metadata; dense_from: as Llama's."""
+        self.split.dense_from = dense_from
         dtype = self.embed_tokens.weight.dtype
         x = (self.embed_tokens(input_ids) if self.qembedding is None else
              self.qembedding(input_ids, self.embed_q.data, self.embed_q.qtype, self.config.hidden_size, dtype))

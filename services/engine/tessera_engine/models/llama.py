@@ -47,12 +47,24 @@ def attention_windows(config) -> list[int | None]:
     return [int(window) if k == "sliding_attention" else None for k in kinds]
 
 
+class RowSplit:
+    """Which of a step's rows take a decoder layer's dense weights: the rows from `dense_from`
+    on (prompt rows, where the backend plan puts them on the dense matmul: `prompt_dense`),
+    None: none. Set by the model's forward for its step, read by its linear layers."""
+    __slots__ = ("dense_from",)
+
+    def __init__(self) -> None:
+        self.dense_from: int | None = None
+
+
 class Linear(nn.Linear):
     """nn.Linear whose bf16 CPU matmul runs on a prepacked weight (see PackedWeight), and,
     where the layer has the checkpoint's block-quantized weight (`qweight`, GGUF) and the
     ops backend a kernel for it (`qlinear`, set by use_backend), on that for batches of up
     to `q_max_rows` rows: a decode of a few sequences is a pass over the weights, and the
-    quantized pass reads ~0.6 bytes a weight instead of 2 or 4."""
+    quantized pass reads ~0.6 bytes a weight instead of 2 or 4. With a `split` (use_backend,
+    the plan's prompt_dense), the step's prompt rows take the dense weights instead: a
+    prompt chunk is many rows, where the dense matmul computes faster (AMX)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -63,6 +75,7 @@ class Linear(nn.Linear):
         self.q_max_rows = 0
         self.dense_dropped = False  # the dense weight was freed: the quantized one serves every batch
         self.lora = None  # lora.LoRALayer: each row's adapter delta added to the output (attach_lora)
+        self.split: RowSplit | None = None  # the model's, where prompt rows take the dense weights
 
     def pack_for_good(self, packing=ONEDNN) -> None:
         """Pack the bf16 CPU weight now (models/packed_linear.py) and free the plain copy, which
@@ -75,8 +88,9 @@ class Linear(nn.Linear):
         self._free_weight()
 
     def drop_dense(self) -> None:
-        """Free the dense weight for good: the quantized one (qpath) serves every batch."""
+        """Free the dense weight for good, packed or not: the quantized one (qpath) serves every batch."""
         self._free_weight()
+        self._pw = PackedWeight()
         self.dense_dropped = True
 
     def _free_weight(self) -> None:
@@ -84,9 +98,17 @@ class Linear(nn.Linear):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qlinear is not None and x.dim() == 2 and x.shape[0] <= self.q_max_rows:
-            y = self.qlinear(x if x.is_contiguous() else x.contiguous(), self.qweight.data,
-                             self.qweight.qtype, self.bias)
+        n = x.shape[0]
+        if self.qlinear is not None and x.dim() == 2 and n <= self.q_max_rows:
+            split = n if self.split is None or self.split.dense_from is None else self.split.dense_from
+            if split >= n:
+                y = self.qlinear(x if x.is_contiguous() else x.contiguous(), self.qweight.data,
+                                 self.qweight.qtype, self.bias)
+            elif split <= 0:
+                y = self._pw.linear(x, self.weight, self.bias)
+            else:  # generated rows first, then prompt rows (the model runner's order)
+                y = torch.cat([self.qlinear(x[:split].contiguous(), self.qweight.data, self.qweight.qtype, self.bias),
+                               self._pw.linear(x[split:], self.weight, self.bias)])
         elif self.dense_dropped:
             raise RuntimeError("this layer's dense weight was dropped (batch-invariant plan): "
                                f"{tuple(x.shape)} activations cannot take the quantized matmul")
@@ -215,17 +237,23 @@ class LlamaForCausalLM(nn.Module):
         self._stack = None  # the kernels' DecoderStack, when use_backend finds it applies (_decoder_stack)
         self._stack_rows = 0
         self._lora_attached = False
+        self.split = RowSplit()  # this step's prompt rows, for the layers (use_backend's prompt_dense)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
+                dense_from: int | None = None) -> torch.Tensor:
         """Flat batch of T tokens → final hidden states [T, hidden]. kv_caches, metas: each
-        layer's cache tensors and its KV cache group's step metadata."""
+        layer's cache tensors and its KV cache group's step metadata. dense_from: the first
+        prompt row, where prompt rows take the dense weights (use_backend's prompt_dense; the
+        rows before it are generated ones), None: every row on the layers' one path."""
+        self.split.dense_from = dense_from
         x = (self.embed_tokens(input_ids) if self.qembedding is None else
              self.qembedding(input_ids, self.embed_q.data, self.embed_q.qtype, self.config.hidden_size,
                              self.embed_tokens.weight.dtype))
         cos, sin = self.attention.rotary_tables(self.rotary, x.dtype, positions)
         meta = metas[0] if metas else None
         if (self._stack is not None and x.shape[0] <= self._stack_rows and not self._lora_attached
+                and (dense_from is None or dense_from >= x.shape[0])
                 and meta.copy_slots is None and all(m is meta for m in metas)):
             # the same calls as the loop below, made from C++ (csrc/decoder_stack.cpp); the caches
             # are the caller's (a model may serve several runners), flattened each step (~10 us)
@@ -246,22 +274,30 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, Linear):
                 m.pack_for_good(packing)
 
-    def drop_dense_of_quantized(self) -> int:
+    def drop_dense_of_quantized(self, keep_layers: bool = False) -> int:
         """Free the dense weight of every linear layer whose quantized weight the ops run
         (prepare_quantized), for a plan that never multiplies by it; returns how many. A tied
         embedding table the ops run quantized goes too: the lookup and the lm_head both read the
-        quantized table then (Gemma 3's is 262144 x 640: 320 MiB in bf16)."""
+        quantized table then (Gemma 3's is 262144 x 640: 320 MiB in bf16). keep_layers: only
+        the lm_head's (tied or not), for a plan whose prompt rows take the decoder layers' dense
+        weights (logits always come from the quantized lm_head then)."""
         n = 0
+        layers = set(self.layers.modules()) if keep_layers else set()
         for m in self.modules():
-            if isinstance(m, Linear) and m.qpath is not None and m.weight.numel():
+            if isinstance(m, Linear) and m.qpath is not None and not m.dense_dropped and m not in layers:
                 m.drop_dense()
                 n += 1
         w = self.embed_tokens.weight
         if self.lm_head is None and self.embed_qpath is not None and w.numel():
             self.embed_tokens.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device),
                                                     requires_grad=False)
+            self._tied_pw = PackedWeight(self._tied_pw.packing)
             n += 1
         return n
+
+    def has_dense_layers(self) -> bool:
+        """Whether every decoder layer's quantized linear layer still has its dense weight."""
+        return all(not m.dense_dropped for m in self.layers.modules() if isinstance(m, Linear))
 
     def has_quantized(self) -> bool:
         return self.embed_q is not None or any(isinstance(m, Linear) and m.qweight is not None
@@ -280,18 +316,18 @@ class LlamaForCausalLM(nn.Module):
             if self.embed_qpath is not None:
                 self.embed_q = self.embed_qpath.weight
 
-    def matmul_pairs(self) -> list["MatmulPair"]:
+    def matmul_pairs(self, lm_head: bool = True) -> list["MatmulPair"]:
         """Each matmul with a quantized weight prepared for the ops (prepare_quantized), in forward
         order, as its two ways of running: the quantized kernel and the dense (packed) path (see
-        quantized_crossover.py, which times them)."""
+        quantized_crossover.py, which times them); lm_head False: the decoder layers' only."""
         pairs = []
-        for m in self.modules():
+        for m in (self.modules() if lm_head else self.layers.modules()):
             if isinstance(m, Linear) and m.qpath is not None:
                 pairs.append(MatmulPair(
                     m.in_features, (m.out_features, m.in_features, m.qweight.qtype),
                     lambda x, m=m: m.qpath.linear(x, m.qweight.data, m.qweight.qtype, m.bias),
                     lambda x, m=m: m._pw.linear(x, m.weight, m.bias)))
-        if self.lm_head is None and self.embed_qpath is not None:
+        if lm_head and self.lm_head is None and self.embed_qpath is not None:
             w = self.embed_tokens.weight
             pairs.append(MatmulPair(
                 w.shape[1], (w.shape[0], w.shape[1], self.embed_q.qtype),
@@ -303,10 +339,12 @@ class LlamaForCausalLM(nn.Module):
                     decoder_stack: bool = False) -> dict:
         """The backend plan's attention and ops, for every layer; layers with a quantized weight
         prepared for the ops (prepare_quantized) run its kernel for up to q_max_rows rows (0:
-        never); decoder_stack: the plan lets forward run the layers in one C++ call where that
-        covers them (_decoder_stack). Returns how many linear layers took each path ("Q4_1 int8":
-        210, "dense": 1, ...)."""
+        never), but for the rows forward's dense_from names (the plan's prompt_dense), which
+        the decoder layers' run on their dense weights where kept; decoder_stack: the plan lets
+        forward run the layers in one C++ call where that covers them (_decoder_stack). Returns
+        how many linear layers took each path ("Q4_1 int8": 210, "dense": 1, ...)."""
         self.attention = attention
+        layers = set(self.layers.modules())
         paths: dict[str, int] = {}
         for m in self.modules():
             if isinstance(m, (RMSNorm, LlamaMLP)):
@@ -316,6 +354,7 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(m, Linear):
                 usable = q_max_rows > 0 and m.qpath is not None
                 m.qlinear, m.q_max_rows = (m.qpath.linear, q_max_rows) if usable else (None, 0)
+                m.split = self.split if usable and m in layers and not m.dense_dropped else None
                 kind = m.qpath.name if usable else "dense"
                 paths[kind] = paths.get(kind, 0) + 1
         use_tied = q_max_rows > 0 and self.embed_qpath is not None and self.lm_head is None

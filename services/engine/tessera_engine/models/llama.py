@@ -62,9 +62,11 @@ class Linear(nn.Linear):
     where the layer has the checkpoint's block-quantized weight (`qweight`, GGUF) and the
     ops backend a kernel for it (`qlinear`, set by use_backend), on that for batches of up
     to `q_max_rows` rows: a decode of a few sequences is a pass over the weights, and the
-    quantized pass reads ~0.6 bytes a weight instead of 2 or 4. With a `split` (use_backend,
-    the plan's prompt_dense), the step's prompt rows take the dense weights instead: a
-    prompt chunk is many rows, where the dense matmul computes faster (AMX)."""
+    quantized pass reads ~0.6 bytes a weight instead of 2 or 4. A decoder layer's that keeps
+    its dense weight has the model's `split` (use_backend): the rows from the step's
+    dense_from on (prompt rows, where the plan's prompt_dense has the runner name them) take
+    the dense weights instead, a prompt chunk being many rows, where the dense matmul
+    computes faster (AMX)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -237,15 +239,15 @@ class LlamaForCausalLM(nn.Module):
         self._stack = None  # the kernels' DecoderStack, when use_backend finds it applies (_decoder_stack)
         self._stack_rows = 0
         self._lora_attached = False
-        self.split = RowSplit()  # this step's prompt rows, for the layers (use_backend's prompt_dense)
+        self.split = RowSplit()  # this step's prompt rows (forward's dense_from), for the layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata],
                 dense_from: int | None = None) -> torch.Tensor:
         """Flat batch of T tokens → final hidden states [T, hidden]. kv_caches, metas: each
         layer's cache tensors and its KV cache group's step metadata. dense_from: the first
-        prompt row, where prompt rows take the dense weights (use_backend's prompt_dense; the
-        rows before it are generated ones), None: every row on the layers' one path."""
+        prompt row, where prompt rows take the decoder layers' dense weights (the plan's
+        prompt_dense; the rows before it are output rows), None: every row on one path."""
         self.split.dense_from = dense_from
         x = (self.embed_tokens(input_ids) if self.qembedding is None else
              self.qembedding(input_ids, self.embed_q.data, self.embed_q.qtype, self.config.hidden_size,

@@ -32,13 +32,15 @@ def test_the_backend_plan_is_logged_once_with_each_decision_and_why(engine):
     plan = plans[0]
     assert plan["device"] == "cpu" and plan["dtype"] == "float32" and plan["token_budget"] == 512
     assert set(plan["why"]) == {"device", "dtype", "kernels", "dense_matmul", "keep_quantized",
-                                "quantized_matmul", "quantized_max_rows", "batch_invariant", "token_budget",
-                                "decoder_stack"}
+                                "quantized_matmul", "quantized_max_rows", "batch_invariant", "prompt_matmul",
+                                "token_budget", "decoder_stack"}
     if plan["keep_quantized"]:  # the fused kernels built here: the row limit was timed, not set
         assert "timed" in plan["why"]["quantized_max_rows"], plan["why"]
         assert plan["decoder_stack"] is True, plan["why"]["decoder_stack"]
         assert plan["quantized_max_rows"] >= 1  # fp32: the quantized matmul is ahead at one row
         assert plan["quantized_matmul"] == "exact"  # float32 is the reference dtype
+        # a timed crossover splits batch sizes between two paths already: prompts take no third
+        assert plan["prompt_dense"] is False and "batch-invariant" in plan["why"]["prompt_matmul"], plan["why"]
 
 
 def greedy(max_tokens: int, **kw):

@@ -70,3 +70,37 @@ def test_a_quiet_measurement_is_cached_and_a_busy_one_is_not(monkeypatch, tmp_pa
     monkeypatch.setattr(qc, "measure", lambda pairs, dtype: pytest.fail("measured again despite the cache"))
     rows, why = qc.crossover_rows(Model(), Ops(), torch.float32)
     assert rows == 3 and "before" in why
+
+
+def test_a_prompt_chunk_is_timed_once_at_prompt_rows_and_the_answer_cached(monkeypatch, tmp_path):
+    """prompt_rows_dense: both paths over the decoder layers at PROMPT_ROWS rows; a quiet
+    answer cached apart from the crossover's (its own key and field)."""
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "system_busy_s", lambda: 0.0)
+    monkeypatch.setattr(qc, "PROMPT_ROWS", 8)
+    rows_seen = []
+
+    class Model:
+        def __init__(self, ms_per_row, dense_ms):
+            self.pairs = _pairs(ms_per_row, dense_ms)
+
+        def matmul_pairs(self, lm_head=True):
+            assert lm_head is False  # the lm_head stays quantized for every row
+            return [p._replace(quantized=lambda x, f=p.quantized: (rows_seen.append(x.shape[0]), f(x)))
+                    for p in self.pairs]
+
+    class Ops:
+        quantized_matmul = "int8"
+
+        class dense_packing:
+            name = "test"
+
+    dense, why = qc.prompt_rows_dense(Model(1.0, 4.0), Ops(), torch.float32)  # 8 ms quantized, 4 dense
+    assert dense is True and "dense faster on 8-row" in why and "cached" in why
+    assert set(rows_seen) == {8}
+    table = json.loads(qc.cache_path().read_text())
+    assert [e["prompt_dense"] for e in table.values()] == [True]
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "measure_prompt_rows", lambda pairs, dtype: pytest.fail("timed again despite the cache"))
+    assert qc.prompt_rows_dense(Model(1.0, 4.0), Ops(), torch.float32)[0] is True

@@ -5,11 +5,11 @@ At one row a matmul is a pass over its weights, and the quantized one reads a fr
 bytes; as rows grow the dense matmul's better arithmetic wins. Where they cross depends on the
 CPU (its memory bandwidth, AVX-512 / AMX), the thread count, the dtype and the weights' types
 and shapes, so it is measured, over every layer that has quantized blocks (the real weights,
-in order, so that caches behave as in a step), at a few batch sizes found by bisection. Prompt
-chunks (prompt_rows_dense) are timed once, at PROMPT_ROWS rows. The
-answers are cached per CPU model, threads, dtype, packing and weight shapes, so an engine pays
-for the timing once per machine and model (the cache: $TESSERA_CACHE_DIR, else
-$XDG_CACHE_HOME/tessera or ~/.cache/tessera).
+in order, so that caches behave as in a step), at a few batch sizes found by bisection; a prompt
+chunk (prompt_rows_dense) at PROMPT_ROWS rows, over the decoder layers. The answers are cached
+per CPU model, threads, dtype, packing and weight shapes, so an engine pays for the timing once
+per machine and model (the cache: $TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera or
+~/.cache/tessera).
 """
 from __future__ import annotations
 
@@ -209,8 +209,8 @@ def _answer(key: str, field: str, kind: type, timed, describe) -> tuple:
 def _timed_measure(timed) -> tuple[object, dict, float | None]:
     """timed()'s answer and timings, and the other processes' CPU use meanwhile, in cores (None: unknown)."""
     t0, busy0, own0 = time.perf_counter(), system_busy_s(), time.process_time()
-    rows, timings = timed()
+    answer, timings = timed()
     wall = time.perf_counter() - t0
     busy1, own1 = system_busy_s(), time.process_time()
     foreign = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
-    return rows, timings, foreign
+    return answer, timings, foreign

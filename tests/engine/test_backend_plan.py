@@ -139,3 +139,18 @@ def test_the_decoder_layers_run_in_one_cpp_call_unless_enforce_eager(tiny_q4):
     assert greedy(stacked) == greedy(eager)
     plan, _ = plan_backends(EngineConfig(**base, cpu_kernels=False))
     assert not plan.decoder_stack and "no fused CPU kernels" in plan.why["decoder_stack"]
+
+
+def test_prompt_matmul_flag_its_environment_fallback_and_a_bad_value(monkeypatch, capsys):
+    from tessera_engine.server import config_from_args, parse_args
+
+    monkeypatch.delenv("TESSERA_PROMPT_MATMUL", raising=False)
+    assert config_from_args(parse_args([])).prompt_matmul == "auto"
+    assert config_from_args(parse_args(["--prompt-matmul", "quantized"])).prompt_matmul == "quantized"
+    monkeypatch.setenv("TESSERA_PROMPT_MATMUL", "dense")
+    assert config_from_args(parse_args([])).prompt_matmul == "dense"
+    with pytest.raises(SystemExit):
+        parse_args(["--prompt-matmul", "fast"])
+    assert "--prompt-matmul" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prompt_matmul must be one of auto, dense, quantized, not 'fast'"):
+        EngineConfig(prompt_matmul="fast").validate()

@@ -228,6 +228,37 @@ def test_a_batch_invariant_engine_drops_the_dense_copies_it_never_reads(chat_pro
 
 
 @needs_vnni
+def test_a_known_quantized_prompt_answer_spares_packing_the_copies_it_frees(monkeypatch, tmp_path):
+    """--prompt-matmul auto (the default) on a batch-invariant bf16 plan, where the prompt rows'
+    answer is quantized (on this CPU dense may win: the timing is stubbed). A first start times
+    it on the packed dense copies and drops them after; a later one, the answer known (cached, or
+    timed by this process), reads it before packing and drops them unpacked."""
+    from tessera_engine import quantized_crossover as qc
+    from tessera_engine.backend_plan import plan_backends
+    from tessera_engine.models import packed_linear
+    from tessera_engine.models.llama import Linear
+
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "measure_prompt_rows", lambda pairs, dtype: (False, {}))
+    packed = []
+    freeze = packed_linear.PackedWeight.freeze
+    monkeypatch.setattr(packed_linear.PackedWeight, "freeze", lambda pw, w: packed.append(w.shape) or freeze(pw, w))
+    config = EngineConfig(device="cpu", dtype="bfloat16", kv_cache_gib=0.25)
+    for start in ("first", "later"):
+        packed.clear()
+        plan, loaded = plan_backends(config)
+        layers = [m for m in loaded.model.layers.modules() if isinstance(m, Linear)]
+        assert not plan.prompt_dense and layers and all(m.dense_dropped for m in layers), plan.why["prompt_matmul"]
+        if start == "first":
+            assert len(packed) == len(layers)
+        else:
+            assert packed == [], "packed the dense copies that a known quantized answer frees"
+            assert "read before packing" in plan.why["prompt_matmul"]
+        del plan, loaded, layers
+
+
+@needs_vnni
 @pytest.mark.slow
 def test_next_token_distributions_stay_close_to_the_exact_float32_path(chat_prompts):
     """The default model's last-position log-probabilities over a few chat prompts: bfloat16 with

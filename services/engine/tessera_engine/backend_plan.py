@@ -23,7 +23,7 @@ from tessera_engine.attention import CpuKernelAttention, TorchAttention
 from tessera_engine.config import DTYPES, EngineConfig
 from tessera_engine.models.loader import LoadedModel, load_model
 from tessera_engine.ops import CpuKernelOps, TorchOps
-from tessera_engine.quantized_crossover import crossover_rows, prompt_rows_dense
+from tessera_engine.quantized_crossover import crossover_rows, known_prompt_rows_dense, prompt_rows_dense
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +109,23 @@ def batch_invariance(config: EngineConfig, kernels, dense: str, rows: int) -> tu
 
 
 def choose_prompt_matmul(setting: str, model, ops, dtype: torch.dtype, dense: str, rows: int,
-                         invariant: bool) -> tuple[bool, str]:
+                         invariant: bool, known: tuple[bool, str] | None = None) -> tuple[bool, str]:
     """Whether a prompt's rows take the decoder layers' dense weights while output rows keep the
     quantized matmul (batch-invariant plans). Which path a row takes then depends on its request
     alone (prompt or output), never on its batch, so the same request still gives the same text
     however it runs (the scheduler keeps prompt and output tokens in separate chunks, the prefix
     cache keeps blocks of output tokens apart). A prompt chunk is many rows, where the dense bf16
     matmul computes faster on AMX; output rows are few per request, where reading fewer bytes a
-    weight wins. auto: timed on the loaded model (quantized_crossover.prompt_rows_dense)."""
+    weight wins. auto: timed on the loaded model (quantized_crossover.prompt_rows_dense); known:
+    its answer where the plan read it before packing (known_prompt_rows_dense)."""
     if setting == "quantized":
         return False, "set by --prompt-matmul"
     if rows != ALL_ROWS or not invariant:
         return False, "only where every batch size takes the quantized matmul (batch-invariant)"
     if dense == "torch":
         return False, "dense matmuls in torch (F.linear) compute one row differently from several"
+    if setting == "auto" and known is not None and not known[0]:
+        return False, f"auto: {known[1]} (read before packing: the layers' dense copies were never packed)"
     if not model.has_dense_layers():
         return False, "the decoder layers' dense weights were dropped"
     if setting == "dense":
@@ -189,6 +192,12 @@ def prepare_weights(model, ops: TorchOps, keep_quantized: bool, drop_dense: bool
     dense copies were dropped. For the engine's model and speculative decoding's draft."""
     if keep_quantized:
         model.prepare_quantized(ops)
+    return pack_weights(model, ops, drop_dense)
+
+
+def pack_weights(model, ops: TorchOps, drop_dense: bool) -> int:
+    """prepare_weights after the quantized weights: the dense copies of the quantized layers freed
+    (drop_dense), the rest packed for the dense matmul; how many were dropped."""
     dropped = model.drop_dense_of_quantized() if drop_dense else 0
     model.pack_dense(ops.dense_packing)
     return dropped
@@ -241,11 +250,19 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
                              f"is {dtype} on {device.type}")
     # batch-invariant, every batch size takes the quantized matmul (below): the dense copies of
     # those layers are never read, but for the decoder layers' where prompt rows take them (timed
-    # on the packed weights, so dropped after). A model given by the caller may serve other plans: kept.
+    # on the packed weights, so dropped after, unless the answer is known before packing). A model
+    # given by the caller may serve other plans: kept.
     drop = (keep and own_model and config.batch_invariant and config.quantized_max_rows is None
             and loaded.model.has_quantized())
-    drop_now = drop and (config.prompt_matmul == "quantized" or dense == "torch")
-    dropped = prepare_weights(loaded.model, ops, keep, drop_now)
+    if keep:
+        loaded.model.prepare_quantized(ops)
+    # auto's prompt answer where it is known without timing (cached), read before packing: a start
+    # whose answer is quantized then packs no dense copies only to free them
+    known = (known_prompt_rows_dense(loaded.model, ops, dtype)
+             if drop and config.prompt_matmul == "auto" and dense != "torch" else None)
+    drop_now = drop and (config.prompt_matmul == "quantized" or dense == "torch"
+                         or (known is not None and not known[0]))
+    dropped = pack_weights(loaded.model, ops, drop_now)
     if not keep:
         why["quantized_matmul"] = "no quantized blocks kept"
 
@@ -262,7 +279,7 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
         rows, why["quantized_max_rows"] = crossover_rows(loaded.model, ops, dtype)
     invariant, why["batch_invariant"] = batch_invariance(config, kernels, dense, rows)
     prompt_dense, why["prompt_matmul"] = choose_prompt_matmul(config.prompt_matmul, loaded.model, ops, dtype,
-                                                              dense, rows, invariant)
+                                                              dense, rows, invariant, known)
     if drop and not drop_now:
         dropped = loaded.model.drop_dense_of_quantized(keep_layers=prompt_dense)
     if drop:

@@ -162,6 +162,15 @@ def measure_prompt_rows(pairs, dtype: torch.dtype) -> tuple[bool, dict]:
     return not _quantized_wins(pairs, PROMPT_ROWS, dtype, timings), timings
 
 
+def _prompt_key(pairs, ops, dtype: torch.dtype) -> str:
+    return cache_key(pairs, dtype, f"{ops.dense_packing.name}|{ops.quantized_matmul}|prompt{PROMPT_ROWS}",
+                     getattr(ops, "kernels", None))
+
+
+def _describe_prompt(dense: bool) -> str:
+    return f"{'dense' if dense else 'quantized'} faster on {PROMPT_ROWS}-row prompt chunks"
+
+
 def prompt_rows_dense(model, ops, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether a prompt chunk's rows are faster on the decoder layers' dense weights than on their
     quantized ones on this machine (timed over those layers at PROMPT_ROWS rows, or cached): with
@@ -169,21 +178,35 @@ def prompt_rows_dense(model, ops, dtype: torch.dtype) -> tuple[bool, str]:
     int8 one may stay ahead. The answer does not depend on the token budget, so that every
     engine on this machine and model computes a prompt alike."""
     pairs = model.matmul_pairs(lm_head=False)
-    key = cache_key(pairs, dtype, f"{ops.dense_packing.name}|{ops.quantized_matmul}|prompt{PROMPT_ROWS}",
-                    getattr(ops, "kernels", None))
-    return _answer(key, "prompt_dense", bool, lambda: measure_prompt_rows(pairs, dtype),
-                   lambda dense: f"{'dense' if dense else 'quantized'} faster on {PROMPT_ROWS}-row prompt chunks")
+    return _answer(_prompt_key(pairs, ops, dtype), "prompt_dense", bool, lambda: measure_prompt_rows(pairs, dtype),
+                   _describe_prompt)
+
+
+def known_prompt_rows_dense(model, ops, dtype: torch.dtype) -> tuple[bool, str] | None:
+    """prompt_rows_dense's answer where it needs no timing (this process's or the cache's), else
+    None. Needs only the quantized weights prepared (their shapes make the key): the backend plan
+    asks before packing the dense ones, which a known quantized answer would free at once."""
+    known = _known(_prompt_key(model.matmul_pairs(lm_head=False), ops, dtype), "prompt_dense", bool)
+    return None if known is None else (known[0], f"{_describe_prompt(known[0])}: {known[1]}")
+
+
+def _known(key: str, field: str, kind: type) -> tuple | None:
+    """(answer, where from) of an answer already timed: by this process, or cached; else None."""
+    if key in _measured:
+        return _measured[key], "timed by this process for an earlier engine"
+    cached = _read_cache().get(key)
+    if isinstance(cached, dict) and type(cached.get(field)) is kind:
+        return cached[field], f"timed on this CPU before ({cache_path()})"
+    return None
 
 
 def _answer(key: str, field: str, kind: type, timed, describe) -> tuple:
     """A timed answer (`timed()` -> (answer, timings)): this process's earlier one, the cache's,
     or timed now, again while other processes keep the CPUs busy (ATTEMPTS in all: the middle
     answer then), and cached only when the machine was quiet."""
-    if key in _measured:
-        return _measured[key], "timed by this process for an earlier engine"
-    cached = _read_cache().get(key)
-    if isinstance(cached, dict) and type(cached.get(field)) is kind:
-        return cached[field], f"timed on this CPU before ({cache_path()})"
+    known = _known(key, field, kind)
+    if known is not None:
+        return known
     t0 = time.perf_counter()
     answers = []
     for _ in range(ATTEMPTS):

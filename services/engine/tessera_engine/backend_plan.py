@@ -116,8 +116,8 @@ def choose_prompt_matmul(setting: str, model, ops, dtype: torch.dtype, dense: st
     however it runs (the scheduler keeps prompt and output tokens in separate chunks, the prefix
     cache keeps blocks of output tokens apart). A prompt chunk is many rows, where the dense bf16
     matmul computes faster on AMX; output rows are few per request, where reading fewer bytes a
-    weight wins. auto: timed on the loaded model (quantized_crossover.prompt_rows_dense); known:
-    its answer where the plan read it before packing (known_prompt_rows_dense)."""
+    weight wins. auto: timed on the loaded model (quantized_crossover.prompt_rows_dense), or known:
+    the answer the plan already read before packing (known_prompt_rows_dense)."""
     if setting == "quantized":
         return False, "set by --prompt-matmul"
     if rows != ALL_ROWS or not invariant:
@@ -130,7 +130,7 @@ def choose_prompt_matmul(setting: str, model, ops, dtype: torch.dtype, dense: st
         return False, "the decoder layers' dense weights were dropped"
     if setting == "dense":
         return True, "set by --prompt-matmul"
-    dense_wins, why = prompt_rows_dense(model, ops, dtype)
+    dense_wins, why = known if known is not None else prompt_rows_dense(model, ops, dtype)
     return dense_wins, "auto: " + why
 
 

@@ -104,3 +104,54 @@ def test_a_prompt_chunk_is_timed_once_at_prompt_rows_and_the_answer_cached(monke
     monkeypatch.setattr(qc, "_measured", {})
     monkeypatch.setattr(qc, "measure_prompt_rows", lambda pairs, dtype: pytest.fail("timed again despite the cache"))
     assert qc.prompt_rows_dense(Model(1.0, 4.0), Ops(), torch.float32)[0] is True
+
+
+_SAPPHIRE = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Processor
+stepping\t: 8
+flags\t\t: fpu avx2 avx512f avx512_vnni amx_int8 amx_bf16 amx_tile
+"""
+
+
+def test_the_cache_tells_apart_cpus_that_a_vm_names_alike():
+    # a VM names only the vendor: the same name over hosts of other generations and ISAs
+    same = qc.cpu_identity(_SAPPHIRE, "L2=2048K,L3=107520K")
+    assert qc.cpu_identity(_SAPPHIRE, "L2=2048K,L3=107520K") == same
+    assert same.startswith("Intel(R) Xeon(R) Processor|6/143/8|")
+    emerald = _SAPPHIRE.replace("model\t\t: 143", "model\t\t: 207").replace("stepping\t: 8", "stepping\t: 2")
+    no_amx = _SAPPHIRE.replace(" amx_int8 amx_bf16 amx_tile", "")
+    others = {qc.cpu_identity(emerald, "L2=2048K,L3=107520K"), qc.cpu_identity(no_amx, "L2=2048K,L3=107520K"),
+              qc.cpu_identity(_SAPPHIRE, "L2=2048K,L3=327680K")}
+    assert len(others) == 3 and same not in others
+    # the flags' order in /proc/cpuinfo does not matter
+    shuffled = _SAPPHIRE.replace("fpu avx2 avx512f", "avx512f fpu avx2")
+    assert qc.cpu_identity(shuffled, "L2=2048K,L3=107520K") == same
+
+
+def test_a_cached_answer_is_not_read_on_another_cpu_of_the_same_name(monkeypatch, tmp_path):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "system_busy_s", lambda: 0.0)
+    timed = []
+    monkeypatch.setattr(qc, "measure", lambda pairs, dtype: (timed.append(1) or 4, {4: (1.0, 2.0, 0.5)}))
+
+    class Model:
+        def matmul_pairs(self):
+            return _pairs(1.0, 1.0)
+
+    class Ops:
+        quantized_matmul = "exact"
+
+        class dense_packing:
+            name = "test"
+
+    monkeypatch.setattr(qc, "cpu_identity", lambda: "Intel(R) Xeon(R) Processor|6/143/8|L3=105M|flags=a")
+    assert qc.crossover_rows(Model(), Ops(), torch.float32)[0] == 4 and len(timed) == 1
+    monkeypatch.setattr(qc, "_measured", {})
+    assert "before" in qc.crossover_rows(Model(), Ops(), torch.float32)[1] and len(timed) == 1
+    monkeypatch.setattr(qc, "_measured", {})
+    monkeypatch.setattr(qc, "cpu_identity", lambda: "Intel(R) Xeon(R) Processor|6/106/6|L3=48M|flags=b")
+    assert "timed at start" in qc.crossover_rows(Model(), Ops(), torch.float32)[1] and len(timed) == 2

@@ -7,9 +7,9 @@ CPU (its memory bandwidth, AVX-512 / AMX), the thread count, the dtype and the w
 and shapes, so it is measured, over every layer that has quantized blocks (the real weights,
 in order, so that caches behave as in a step), at a few batch sizes found by bisection; a prompt
 chunk (prompt_rows_dense) at PROMPT_ROWS rows, over the decoder layers. The answers are cached
-per CPU model, threads, dtype, packing and weight shapes, so an engine pays for the timing once
-per machine and model (the cache: $TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera or
-~/.cache/tessera).
+per CPU (cpu_identity: more than its name, which a VM may leave vague), threads, dtype, packing
+and weight shapes, so an engine pays for the timing once per machine and model (the cache:
+$TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera or ~/.cache/tessera).
 """
 from __future__ import annotations
 
@@ -43,15 +43,40 @@ QUIET_CORES = 0.3
 _measured: dict[str, int] = {}  # this process's answers, busy or not (engines built over one model)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpu_identity(cpuinfo: str | None = None, cache_sizes: str | None = None) -> str:
+    """This CPU as the cache knows it: its name and, since a VM may name only the vendor ("Intel(R)
+    Xeon(R) Processor", "AMD EPYC") over hosts of several generations, its family / model /
+    stepping, cache sizes and a digest of its flags, so that a disk or image moved to another
+    kind of host times anew. `cpuinfo` and `cache_sizes` stand in for /proc/cpuinfo and sysfs."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+                cpuinfo = f.read().split("\n\n", 1)[0]  # the first CPU's block
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    family = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    flags = hashlib.sha1(" ".join(sorted(fields.get("flags", "").split())).encode()).hexdigest()[:8]
+    return f"{name}|{family}|{_cache_sizes() if cache_sizes is None else cache_sizes}|flags={flags}"
+
+
+def _cache_sizes(base: str = "/sys/devices/system/cpu/cpu0/cache") -> str:
+    """The first CPU's L2 and L3 sizes ("L2=2048K,L3=107520K"; "" where sysfs does not say)."""
+    sizes = {}
+    for index in sorted(pathlib.Path(base).glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if level in ("2", "3"):
+            sizes[f"L{level}"] = size
+    return ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
 
 
 def cache_path() -> pathlib.Path:
@@ -75,7 +100,7 @@ def _build_id(kernels) -> str:
 def cache_key(pairs, dtype: torch.dtype, packing: str, kernels=None) -> str:
     shapes = sorted(p.signature for p in pairs)
     digest = hashlib.sha1(repr((shapes, _build_id(kernels))).encode()).hexdigest()[:16]
-    return f"{cpu_model()}|threads={torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|{packing}|{digest}"
+    return f"{cpu_identity()}|threads={torch.get_num_threads()}|{str(dtype).removeprefix('torch.')}|{packing}|{digest}"
 
 
 def _read_cache() -> dict:

@@ -17,7 +17,7 @@ os.environ.setdefault("TESSERA_CACHE_DIR", tempfile.mkdtemp(prefix="tessera-test
 
 # Fixtures that make any test using them slow (over ~20 s for the first user, or HF equality):
 SLOW_FIXTURES = {
-    "generic_kernels",  # compiles the generic CPU-kernel variant (~25 s)
+    "generic_kernels",  # compiles the generic CPU-kernel variant (~25-55 s, once a session)
     "loaded_fp32", "make_core", "hf_greedy",  # the default model in fp32 / HF transformers' generate on it
     "mistral",  # a random HF Mistral saved and loaded, compared with HF's generate
 }
@@ -26,6 +26,21 @@ SLOW_FIXTURES = {
 SLOW_PARAMS = {("kernels", "generic")}
 # Fixtures that start service processes: a test using one cannot be `unit`.
 PROCESS_FIXTURES = {"stack", "client", "model"}
+
+
+@pytest.fixture(scope="session")
+def generic_kernels(tmp_path_factory):
+    """The baseline variant an image ships (scalar paths), built as `--variants` builds it and
+    loaded as TESSERA_CPU_KERNELS_PREBUILT=<dir> loads it: here, so that the modules that compare
+    it with the native build share one build (a fixture imported into each would build it again)."""
+    from tessera_engine import cpu_kernels
+
+    out = tmp_path_factory.mktemp("kernel-variants")
+    built = cpu_kernels.build_variants(out, ["generic"])
+    assert [p.name.split(".")[0] for p in built] == ["tessera_cpu_kernels_generic"]
+    module = cpu_kernels._load_prebuilt(str(out))
+    assert module.variant == "generic"
+    return module
 
 
 def pytest_collection_modifyitems(config, items):

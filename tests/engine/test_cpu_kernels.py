@@ -28,18 +28,6 @@ pytestmark = [pytest.mark.unit, pytest.mark.skipif(K is None, reason="fused CPU 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="session")
-def generic_kernels(tmp_path_factory):
-    """The baseline variant an image ships, built as `--variants` builds it and loaded as
-    TESSERA_CPU_KERNELS_PREBUILT=<dir> loads it."""
-    out = tmp_path_factory.mktemp("kernel-variants")
-    built = cpu_kernels.build_variants(out, ["generic"])
-    assert [p.name.split(".")[0] for p in built] == ["tessera_cpu_kernels_generic"]
-    module = cpu_kernels._load_prebuilt(str(out))
-    assert module.variant == "generic"
-    return module
-
-
 @pytest.fixture(params=["native", "generic"])
 def kernels(request):
     return K if request.param == "native" else request.getfixturevalue("generic_kernels")

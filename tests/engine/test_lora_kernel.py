@@ -19,16 +19,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = [[0, 40], [0, 37, 100], [0, 64, 80, 101], [0, 0, 50]]
 
 
-@pytest.fixture(scope="module")
-def generic_kernels(tmp_path_factory):
-    """The baseline variant an image ships (scalar paths), built as `--variants` builds it."""
-    out = tmp_path_factory.mktemp("kernel-variants")
-    cpu_kernels.build_variants(out, ["generic"])
-    module = cpu_kernels._load_prebuilt(str(out))
-    assert module.variant == "generic"
-    return module
-
-
 def lora_args(T, bounds, rank, dtype, *, S=3, n_in=70, seed=0, wdtype=torch.float32):
     """Random (y, x, a, b, slots, scales, bounds) for lora_add; slots in [-1, S); the adapter
     weights a and b in wdtype (the engine keeps them in bfloat16 when it computes in bfloat16)."""

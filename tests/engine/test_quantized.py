@@ -22,13 +22,6 @@ K = cpu_kernels.load()
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(K is None, reason="fused CPU kernels could not be built here")]
 
 
-@pytest.fixture(scope="module")
-def generic_kernels(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-variants")
-    cpu_kernels.build_variants(out, ["generic"])
-    return cpu_kernels._load_prebuilt(str(out))
-
-
 # the K-quants: ggml type -> bytes of a 256-weight super-block (gguf-py has no quantizer for them)
 KQUANTS = {12: 144, 13: 176, 14: 210}
 

@@ -20,6 +20,21 @@ def _pairs(ms_per_row: float, dense_ms: float) -> list[MatmulPair]:
                        lambda x: time.sleep(dense_ms / 1000))]
 
 
+class Model:
+    """What crossover_rows reads of a model: its matmul pairs."""
+
+    def matmul_pairs(self):
+        return _pairs(1.0, 1.0)
+
+
+class Ops:
+    """What crossover_rows reads of the ops: the quantized matmul's kind and the dense packing."""
+    quantized_matmul = "exact"
+
+    class dense_packing:
+        name = "test"
+
+
 def test_bisection_finds_the_last_row_count_where_the_quantized_pass_wins():
     rows, timings = qc.measure(_pairs(4.0, 18.0), torch.float32)  # wins up to 4 rows (16 < 18 ms), loses at 6
     assert rows == 4
@@ -41,16 +56,6 @@ def test_a_quiet_measurement_is_cached_and_a_busy_one_is_not(monkeypatch, tmp_pa
         return next(answers), {3: (1.0, 2.0, 0.5)}
 
     monkeypatch.setattr(qc, "measure", measure)
-
-    class Model:
-        def matmul_pairs(self):
-            return _pairs(1.0, 1.0)
-
-    class Ops:
-        quantized_matmul = "exact"
-
-        class dense_packing:
-            name = "test"
 
     busy = itertools.count(0.0, 100.0)  # the machine's busy seconds jump: someone else runs
     monkeypatch.setattr(qc, "system_busy_s", lambda: next(busy))
@@ -137,16 +142,6 @@ def test_a_cached_answer_is_not_read_on_another_cpu_of_the_same_name(monkeypatch
     monkeypatch.setattr(qc, "system_busy_s", lambda: 0.0)
     timed = []
     monkeypatch.setattr(qc, "measure", lambda pairs, dtype: (timed.append(1) or 4, {4: (1.0, 2.0, 0.5)}))
-
-    class Model:
-        def matmul_pairs(self):
-            return _pairs(1.0, 1.0)
-
-    class Ops:
-        quantized_matmul = "exact"
-
-        class dense_packing:
-            name = "test"
 
     monkeypatch.setattr(qc, "cpu_identity", lambda: "Intel(R) Xeon(R) Processor|6/143/8|L3=105M|flags=a")
     assert qc.crossover_rows(Model(), Ops(), torch.float32)[0] == 4 and len(timed) == 1

@@ -13,6 +13,7 @@ $TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera or ~/.cache/tessera).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -43,17 +44,23 @@ QUIET_CORES = 0.3
 _measured: dict[str, int] = {}  # this process's answers, busy or not (engines built over one model)
 
 
+@functools.lru_cache(maxsize=None)  # the CPU does not change under a process: read once
 def cpu_identity(cpuinfo: str | None = None, cache_sizes: str | None = None) -> str:
     """This CPU as the cache knows it: its name and, since a VM may name only the vendor ("Intel(R)
     Xeon(R) Processor", "AMD EPYC") over hosts of several generations, its family / model /
     stepping, cache sizes and a digest of its flags, so that a disk or image moved to another
     kind of host times anew. `cpuinfo` and `cache_sizes` stand in for /proc/cpuinfo and sysfs."""
     if cpuinfo is None:
+        lines = []
         try:
             with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-                cpuinfo = f.read().split("\n\n", 1)[0]  # the first CPU's block
+                for line in f:  # the first CPU's block only (a large host lists hundreds)
+                    if not line.strip():
+                        break
+                    lines.append(line)
         except OSError:
-            cpuinfo = ""
+            pass
+        cpuinfo = "".join(lines)
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")

@@ -60,8 +60,11 @@ constexpr int64_t kRows = 16;  // output rows a group interleaves: one int32 lan
 constexpr int64_t kTileMacs = 1 << 16;
 // How far ahead of the block it computes group_rows asks for the weights: at one row the hardware
 // prefetchers alone left a large layer's stream well below the memory's speed (on an Intel Xeon:
-// benchmarks/README, kernel_steps.py --quantized llama1b); 512 to 2048 bytes measured alike.
-constexpr int64_t kPrefetchBytes = 1024;
+// benchmarks/README, kernel_steps.py --quantized llama1b). About what one thread has in flight at
+// the memory's latency: on that Xeon, where the default model's step (96 MB of weights) streams
+// mostly from a large L3, 4 KB took a step's one-row matmuls from 4.05 to 3.33 ms against 1 KB
+// (2 KB 3.64, 8 and 16 KB as 4); a layer from DRAM (llama1b) and 64 rows were level.
+constexpr int64_t kPrefetchBytes = 4096;
 
 // the layouts of their own (no ggml type has these numbers): Q4_1 and Q8_0 with float32 fields,
 // Q5_0 with its fifth bits where the kernel reads them

@@ -189,6 +189,27 @@ def test_bfloat16_layers_run_repacked_weights_and_a_shared_model_keeps_its_layou
 
 
 @needs_vnni
+def test_the_repacked_weights_lie_in_one_block_in_the_order_a_step_reads_them():
+    """weight_arena: the decoder layers' repacked weights in forward order (qkv, o, gate_up, down
+    of layer 0, then layer 1, ...), the tied lm_head last, end to end in one block."""
+    from tessera_engine.models.llama import Linear
+
+    _, loaded = plan_backends(EngineConfig(device="cpu", dtype="bfloat16", quantized_max_rows=4))
+    model = loaded.model
+    layer = model.layers[1]
+    assert [m for m in layer.modules() if isinstance(m, Linear)] == [
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    weights = [m.qweight.data for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
+    weights.append(model.embed_q.data)
+    assert len(weights) == 4 * 30 + 1
+    for a, b in zip(weights, weights[1:]):
+        assert b.data_ptr() == -(-(a.data_ptr() + a.numel()) // 64) * 64
+    # the kernels read them there: the lm_head's path and the embedding lookup hold the moved copy
+    assert model.embed_qpath.weight.data.data_ptr() == weights[-1].data_ptr()
+    assert layer.mlp.down_proj.qpath.weight.data.data_ptr() == layer.mlp.down_proj.qweight.data.data_ptr()
+
+
+@needs_vnni
 def test_a_batch_invariant_engine_drops_the_dense_copies_it_never_reads(chat_prompts):
     """Batch-invariant (the default), every batch size takes the quantized matmul: an engine that
     loaded its own model frees the quantized layers' dense weights (~270 MB on the default model),

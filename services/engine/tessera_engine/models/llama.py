@@ -13,9 +13,10 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 from torch import nn
 
+from tessera_engine import weight_arena
 from tessera_engine.attention import AttentionMetadata, PagedAttention, TorchAttention
 from tessera_engine.models.packed_linear import ONEDNN, PackedWeight
-from tessera_engine.models.quantized import QuantizedWeight
+from tessera_engine.models.quantized import INT8_X16, QuantizedWeight
 from tessera_engine.models.rotary import RotaryEmbedding
 from tessera_engine.ops import QuantizedPath, TorchOps
 
@@ -317,6 +318,21 @@ class LlamaForCausalLM(nn.Module):
             self.embed_qpath = ops.quantized_path(self.embed_q)
             if self.embed_qpath is not None:
                 self.embed_q = self.embed_qpath.weight
+        self._gather_repacked()
+
+    def _gather_repacked(self) -> None:
+        """The repacked weights (the int8 matmul's, which a one-row step streams) moved into one
+        block of memory in forward order, the tied lm_head last (weight_arena.py)."""
+        linears = [m for m in self.modules()
+                   if isinstance(m, Linear) and m.qpath is not None and m.qweight.layout == INT8_X16]
+        tied = (self.lm_head is None and self.embed_qpath is not None and self.embed_q.layout == INT8_X16)
+        moved = weight_arena.gather([m.qweight.data for m in linears] + ([self.embed_q.data] if tied else []))
+        for m, data in zip(linears, moved):
+            m.qweight = m.qweight._replace(data=data)
+            m.qpath = m.qpath._replace(weight=m.qweight)
+        if tied:
+            self.embed_q = self.embed_q._replace(data=moved[-1])
+            self.embed_qpath = self.embed_qpath._replace(weight=self.embed_q)
 
     def matmul_pairs(self, lm_head: bool = True) -> list["MatmulPair"]:
         """Each matmul with a quantized weight prepared for the ops (prepare_quantized), in forward

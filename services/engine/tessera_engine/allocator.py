@@ -94,6 +94,22 @@ def in_use() -> dict:
             "why": os.environ.get(CHOSEN_ENV, "started without the tessera-engine launcher")}
 
 
+def release_free_memory() -> str | None:
+    """Hand the pages a model load freed back to the system: tcmalloc keeps freed pages for reuse
+    (the load's temporaries: the file's blocks, each weight before its repacked copy, ~100 MB on
+    the default model) and glibc the top of its heap. Which call did it, or None."""
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return None
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
+        call = getattr(process, name, None)  # tcmalloc's first: glibc's is there beside it
+        if call is not None:
+            call(*args)
+            return name
+    return None
+
+
 def check(setting: str) -> str | None:
     """Why `setting` cannot be honoured (the argument parser's error), or None."""
     if setting == "tcmalloc" and find_tcmalloc() is None and "tcmalloc" not in os.environ.get("LD_PRELOAD", ""):

@@ -308,31 +308,30 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_quantized(self, ops: TorchOps) -> None:
         """Each quantized weight put in the layout the ops' kernels read (ops.quantized_path:
-        repacked for the int8 matmul, or kept as the file has it), once, before timing or use."""
-        for m in self.modules():
-            if isinstance(m, Linear) and m.qweight is not None:
-                m.qpath = ops.quantized_path(m.qweight)
-                if m.qpath is not None:
-                    m.qweight = m.qpath.weight
+        repacked for the int8 matmul, or kept as the file has it), once, before timing or use.
+        The repacked ones (what a one-row step streams) go into one block of memory in forward
+        order, the tied lm_head last (weight_arena.py)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
+        files = [m.qweight for m in linears] + ([self.embed_q] if self.embed_q is not None else [])
+        # a bound on the repacked bytes: a layout holds at most 40 bytes a 32 weights (Q6_K's
+        # 26.25 repacked as Q8_0S), so twice the file's; pages never written take no memory
+        arena = weight_arena.WeightArena(sum(2 * w.data.numel() + 64 for w in files))
+        del files  # (each file weight is freed as its repacked copy replaces it)
+
+        def prepared(weight: QuantizedWeight) -> QuantizedPath | None:
+            path = ops.quantized_path(weight)
+            if path is not None and weight.layout != INT8_X16 and path.weight.layout == INT8_X16:
+                path = path._replace(weight=path.weight._replace(data=arena.put(path.weight.data)))
+            return path
+
+        for m in linears:
+            m.qpath = prepared(m.qweight)
+            if m.qpath is not None:
+                m.qweight = m.qpath.weight
         if self.embed_q is not None:
-            self.embed_qpath = ops.quantized_path(self.embed_q)
+            self.embed_qpath = prepared(self.embed_q)
             if self.embed_qpath is not None:
                 self.embed_q = self.embed_qpath.weight
-        self._gather_repacked()
-
-    def _gather_repacked(self) -> None:
-        """The repacked weights (the int8 matmul's, which a one-row step streams) moved into one
-        block of memory in forward order, the tied lm_head last (weight_arena.py)."""
-        linears = [m for m in self.modules()
-                   if isinstance(m, Linear) and m.qpath is not None and m.qweight.layout == INT8_X16]
-        tied = (self.lm_head is None and self.embed_qpath is not None and self.embed_q.layout == INT8_X16)
-        moved = weight_arena.gather([m.qweight.data for m in linears] + ([self.embed_q.data] if tied else []))
-        for m, data in zip(linears, moved):
-            m.qweight = m.qweight._replace(data=data)
-            m.qpath = m.qpath._replace(weight=m.qweight)
-        if tied:
-            self.embed_q = self.embed_q._replace(data=moved[-1])
-            self.embed_qpath = self.embed_qpath._replace(weight=self.embed_q)
 
     def matmul_pairs(self, lm_head: bool = True) -> list["MatmulPair"]:
         """Each matmul with a quantized weight prepared for the ops (prepare_quantized), in forward

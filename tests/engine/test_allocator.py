@@ -107,20 +107,17 @@ def test_an_unknown_allocator_is_a_usage_error_naming_the_flag():
     assert done.returncode == 2 and "argument --allocator: invalid choice: 'jemalloc'" in done.stderr, done.stderr[-500:]
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
 @pytest.mark.unit
 def test_release_free_memory_hands_freed_pages_back():
     """What a load frees (many heap blocks under the mmap threshold) goes back to the system:
     glibc keeps it in its heap, tcmalloc (when this process has it) in its free lists."""
+    from tessera_engine.executor import rss_mib
+
     blocks = [bytearray(100_000) for _ in range(2000)]  # ~200 MB of heap, each block touched
     pin = bytearray(100_000)  # above them: glibc cannot give the freed blocks back by trimming its top
-    held = _rss_mib()
+    held = rss_mib()
     del blocks
-    assert _rss_mib() > held - 50  # freed, still held by the allocator
+    assert rss_mib() > held - 50  # freed, still held by the allocator
     assert allocator.release_free_memory() in ("MallocExtension_ReleaseFreeMemory", "malloc_trim")
-    assert _rss_mib() < held - 150
+    assert rss_mib() < held - 150
     del pin

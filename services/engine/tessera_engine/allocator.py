@@ -95,9 +95,10 @@ def in_use() -> dict:
 
 
 def release_free_memory() -> str | None:
-    """Hand the pages a model load freed back to the system: tcmalloc keeps freed pages for reuse
-    (the load's temporaries: the file's blocks, each weight before its repacked copy, ~100 MB on
-    the default model) and glibc the top of its heap. Which call did it, or None."""
+    """Hand the pages a model load freed back to the system (the executor calls it once its
+    engine is built): tcmalloc keeps freed pages for reuse, glibc freed small and medium chunks,
+    a few hundred MiB after a load (dequantized tensors, the dense and repacked weights' first
+    copies). Which call did it, or None (neither allocator's)."""
     try:
         process = ctypes.CDLL(None)
     except OSError:

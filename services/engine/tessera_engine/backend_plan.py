@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from tessera_engine import allocator, cpu_kernels, cpu_threads
+from tessera_engine import cpu_kernels, cpu_threads
 from tessera_engine.attention import CpuKernelAttention, TorchAttention
 from tessera_engine.config import DTYPES, EngineConfig
 from tessera_engine.models.loader import LoadedModel, load_model
@@ -291,5 +291,4 @@ def plan_backends(config: EngineConfig, loaded: LoadedModel | None = None) -> tu
     plan = BackendPlan(device, dtype, kernels, ops, dense, keep, ops.quantized_matmul if keep else "none", rows,
                        invariant, prompt_dense, budget, stack, types.MappingProxyType(why))
     log.info("backend plan", extra=plan.describe())
-    allocator.release_free_memory()  # what the load freed (the weights' earlier copies)
     return plan, loaded

@@ -2,12 +2,11 @@
 a multi-process or tensor-parallel executor would keep this interface."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 
 import torch
 
+from tessera_engine import allocator
 from tessera_engine.backend_plan import plan_backends
 from tessera_engine.config import EngineConfig
 from tessera_engine.kv_layout import plan_kv_layout
@@ -16,15 +15,6 @@ from tessera_engine.models.loader import LoadedModel
 from tessera_engine.outputs import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
-
-
-def return_freed_memory() -> None:
-    """Hand the heap that loading freed (dequantized tensors, packing's plain copies) back to the
-    OS: glibc keeps freed small and medium chunks for reuse, a few hundred MiB after a load."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def rss_mib() -> int | None:
@@ -56,7 +46,7 @@ class UniProcExecutor:
         self.runner = ModelRunner(self.model, self.hf_config, self.num_blocks, config.block_size, self.plan,
                                   self.lora, self.kv_layout)
         self.runner.sampler.seed(config.seed)
-        return_freed_memory()
+        allocator.release_free_memory()  # what the load freed
         log.info("kv cache allocated", extra={"num_blocks": self.num_blocks, "block_size": config.block_size,
                                               "kv_groups": len(self.kv_layout.groups), "rss_mib": rss_mib()})
 

@@ -312,11 +312,11 @@ class LlamaForCausalLM(nn.Module):
         The repacked ones (what a one-row step streams) go into one block of memory in forward
         order, the tied lm_head last (weight_arena.py)."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
-        files = [m.qweight for m in linears] + ([self.embed_q] if self.embed_q is not None else [])
         # a bound on the repacked bytes: a layout holds at most 40 bytes a 32 weights (Q6_K's
         # 26.25 repacked as Q8_0S), so twice the file's; pages never written take no memory
-        arena = weight_arena.WeightArena(sum(2 * w.data.numel() + 64 for w in files))
-        del files  # (each file weight is freed as its repacked copy replaces it)
+        file_bytes = sum(m.qweight.data.numel() for m in linears) + (
+            self.embed_q.data.numel() if self.embed_q is not None else 0)
+        arena = weight_arena.WeightArena(2 * file_bytes + 64 * (len(linears) + 1))
 
         def prepared(weight: QuantizedWeight) -> QuantizedPath | None:
             path = ops.quantized_path(weight)

@@ -333,6 +333,39 @@ def test_tiles_taken_by_any_thread_give_the_same_results():
         hog.wait()
 
 
+def test_kernels_called_from_two_threads_give_the_same_results():
+    """The kernels' helper threads are one process-wide pool (tile_queue.h): a second Python
+    thread calling a kernel while the pool is busy with another's computes it alone; each call
+    gives the results of a lone call, and none waits forever."""
+    gen = torch.Generator().manual_seed(11)
+    bs, kvh, d, n = 16, 3, 64, 48
+    k_cache, v_cache = (torch.randn(300 * bs, kvh, d, generator=gen).bfloat16() for _ in range(2))
+    lens = torch.randint(1, 250, (n,), generator=gen)
+    tables = torch.randint(0, 300, (n, 16), generator=gen)
+    q = torch.randn(n, 9, d, generator=gen).bfloat16()
+    x, w = torch.randn(300, 576, generator=gen).bfloat16(), torch.randn(576, generator=gen).bfloat16()
+
+    def call():
+        return K.decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, bs), K.rms_norm(x, w, 1e-5)
+
+    want = call()
+    failures: list[str] = []
+
+    def hammer() -> None:
+        for _ in range(200):
+            got = call()
+            if not all(torch.equal(g, e) for g, e in zip(got, want)):
+                failures.append("different")
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a kernel call never returned"
+    assert not failures
+
+
 @pytest.mark.parametrize("dtype", ["float32"])
 def test_engine_with_kernels_equals_engine_with_torch_ops(dtype):
     """The same greedy tokens with the fused kernels and with the plain torch ops (a mixed

@@ -31,7 +31,7 @@ at::Tensor pack_bf16_weight(const at::Tensor& w) {
   at::Tensor out = at::zeros({NB, K / 2, kPackN, 2}, wc.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, NB, 1, [&](int64_t b, int64_t e) {
+  parallel_rows(0, NB, 1, [&](int64_t b, int64_t e) {
     for (int64_t nb = b; nb < e; ++nb) {
       uint16_t* blk = dst + nb * K * kPackN;
       for (int64_t c = 0; c < kPackN && nb * kPackN + c < N; ++c) {

@@ -1,6 +1,7 @@
 // tessera's CPU kernels: the elementwise and row-wise ops of a step: RMSNorm (optionally
 // after the residual add), SwiGLU, rotary embedding with the K/V cache write, greedy argmax.
 #include "cpu_kernels.h"
+#include "tile_queue.h"
 #include "vec.h"
 
 namespace tessera {
@@ -40,7 +41,7 @@ at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Te
     scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    parallel_rows(0, rows, 16, [&](int64_t b, int64_t e) {
       std::vector<float> buf(n), tmp(n), wf(n);
       to_float(wp, wf.data(), n);
       for (int64_t r = b; r < e; ++r) {
@@ -82,7 +83,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     using scalar_t = decltype(tag);
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    parallel_rows(0, rows, 4, [&](int64_t b, int64_t e) {
       std::vector<float> gf(inter), uf(inter);
       std::vector<scalar_t> sg(inter);
       for (int64_t r = b; r < e; ++r) {
@@ -170,7 +171,7 @@ at::Tensor rope_and_cache_(at::Tensor& qkv, const at::Tensor& positions, const a
     const scalar_t* sp = sin_signed.data_ptr<scalar_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+    parallel_rows(0, T, 4, [&](int64_t b, int64_t e) {
       std::vector<float> c(d), sn(d), x(d), a(d), rb(d);
       std::vector<scalar_t> tmp(d);
 #if defined(__AVX512F__)
@@ -230,7 +231,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   dispatch_dtype(logits.scalar_type(), "argmax_rows", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* lp = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    parallel_rows(0, rows, 1, [&](int64_t b, int64_t e) {
       std::vector<float> buf(V);
       for (int64_t r = b; r < e; ++r) {
         to_float(lp + r * V, buf.data(), V);

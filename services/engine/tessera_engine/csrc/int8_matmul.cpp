@@ -225,7 +225,7 @@ QuantizedActivations quantize_activations(const T* x, int64_t M, int64_t K, floa
   const int64_t nh = K / 16;
   QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nh), std::vector<float>(M * nh / 2),
                          std::vector<int32_t>(M * nh)};
-  at::parallel_for(0, M, 16, [&](int64_t mb, int64_t me) {
+  parallel_rows(0, M, 16, [&](int64_t mb, int64_t me) {
     for (int64_t m = mb; m < me; ++m) {
       for (int64_t h = 0; h < nh; ++h) {
         int8_t* q = a.q.data() + m * K + 16 * h;
@@ -379,7 +379,7 @@ at::Tensor qrepack_i8(const at::Tensor& wq, int64_t qt, int64_t K) {
   at::Tensor out = at::empty({N / kRows, nb * gbb}, wq.options());
   const uint8_t* src = wq.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N / kRows, 1, [&](int64_t gb, int64_t ge) {
+  parallel_rows(0, N / kRows, 1, [&](int64_t gb, int64_t ge) {
     uint8_t blk[layout_block_bytes(kQ8_0S)];
     for (int64_t g = gb; g < ge; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
@@ -472,7 +472,7 @@ at::Tensor qembedding_i8(const at::Tensor& ids, const at::Tensor& wp, int64_t qt
   dispatch_float_bf16(dtype, "qembedding_i8: dtype", [&](auto tag) {
     using T_ = decltype(tag);
     T_* op = out.data_ptr<T_>();
-    at::parallel_for(0, T, 8, [&](int64_t b0, int64_t e0) {
+    parallel_rows(0, T, 8, [&](int64_t b0, int64_t e0) {
       uint8_t blk[layout_block_bytes(kQ8_0S)];
       float vals[32];
       for (int64_t t = b0; t < e0; ++t) {

@@ -25,6 +25,7 @@
 // are enough (a batch: shrink then expand, one parallel region), else the shrink's columns of h
 // and the expand's of y are shared out too, where there is work enough to wake the team for.
 #include "cpu_kernels.h"
+#include "tile_queue.h"
 #include "vec.h"
 
 namespace tessera {
@@ -80,7 +81,7 @@ void run_items(int64_t n, int64_t tasks, const Cost& cost, const F& f) {
     for (int64_t j = 1; j < tasks; ++j)
       cut[j] = std::lower_bound(sum.begin(), sum.end(), sum[n] * j / tasks) - sum.begin();
   }
-  at::parallel_for(0, tasks, 1, [&](int64_t j0, int64_t j1) {
+  parallel_rows(0, tasks, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> scratch;
     for (int64_t i = cut[j0]; i < cut[j1]; ++i) f(i, scratch);
   });

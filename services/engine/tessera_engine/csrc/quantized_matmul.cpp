@@ -6,6 +6,7 @@
 // weight rows at a time into a buffer that stays in L1 and runs every activation row against
 // them. (int8_matmul.cpp is the faster, not bit-exact, path for bfloat16 activations.)
 #include "cpu_kernels.h"
+#include "tile_queue.h"
 #include "gguf_blocks.h"
 #include "vec.h"
 
@@ -277,7 +278,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& wq, int64_t qt, const 
     constexpr int64_t QT = decltype(qtag)::value;
     const T* xp = x.data_ptr<T>();
     T* yp = out.data_ptr<T>();
-    at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t gb, int64_t ge) {
+    parallel_rows(0, (N + 3) / 4, 1, [&](int64_t gb, int64_t ge) {
       std::vector<T> w(4 * K);
       std::vector<float> xbuf(kPortableDots<T> ? K : 0), wbuf(kPortableDots<T> ? 4 * K : 0);
       for (int64_t g = gb; g < ge; ++g) {
@@ -305,7 +306,7 @@ at::Tensor qembedding(const at::Tensor& ids, const at::Tensor& wq, int64_t qt, i
     using T_ = decltype(tag);
     constexpr int64_t QT = decltype(qtag)::value;
     T_* op = out.data_ptr<T_>();
-    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    parallel_rows(0, T, 8, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) dequant_row<T_, QT>(wp + ip[t] * row_bytes, nb, op + t * K);
     });
   }); };
@@ -322,7 +323,7 @@ at::Tensor qdequantize(const at::Tensor& wq, int64_t qt, int64_t K) {
   float* op = out.data_ptr<float>();
   dispatch_qtype(qt, [&](auto qtag) {
     constexpr int64_t QT = decltype(qtag)::value;
-    at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+    parallel_rows(0, N, 16, [&](int64_t b, int64_t e) {
       for (int64_t n = b; n < e; ++n) dequant_row<float, QT>(wp + n * row_bytes, nb, op + n * K);
     });
   });

@@ -1,22 +1,131 @@
-// tessera's CPU kernels: a layer's work cut into tiles that the OpenMP team's threads take
-// from shared runs (TileQueue, run_tiles), used by the matmuls and decode attention.
+// tessera's CPU kernels: a kernel's work cut into tiles that the caller and the pool's helper
+// threads take from shared runs (TileQueue, run_tiles, parallel_rows), used by every kernel
+// loop that runs on more than one thread.
 //
-// at::parallel_for splits a range evenly over the team before it starts. On cores shared with
-// the frontend, tokenizer and clients, one preempted thread then holds up the whole layer while
-// the others spin at its end: a served step was measured at about the in-process step plus all
-// the other processes' work, as if none of it overlapped. With tiles taken from runs, a thread
-// that runs takes the tiles of one that does not.
+// On cores shared with the frontend, tokenizer and clients, every other process's work of a token
+// preempts one of the engine's threads. at::parallel_for (an OpenMP team) splits a range before it
+// starts and joins on its threads: a preempted thread holds up the whole layer while the others
+// spin at its end, so a served step measured the in-process step plus all the other processes'
+// work, as if none of it overlapped. Here tiles are taken from runs (a thread that runs takes the
+// tiles of one that does not), and the pool joins on the tiles, not on its threads: the caller
+// returns once every tile is done and no helper is inside, so a helper that is preempted before
+// it starts costs nothing. Which thread computes a tile never changes its result.
+//
+// The kernels' loops all run here, none on OpenMP: two teams would each spin while the other
+// computes (a 64-row step took twice as long with only the matmuls moved). torch's own ops still
+// use its OpenMP team; the engine shortens that team's spin (GOMP_SPINCOUNT, tessera_engine's
+// __main__) so its idle threads leave the cores to this pool's.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <cstdint>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace tessera {
+
+// Helper threads for run_tiles, one process-wide pool (an inline function's static: one across
+// the kernels' files). A helper spins a while after each job (the next layer's comes within
+// microseconds), then sleeps on a futex until the next.
+class TilePool {
+ public:
+  static TilePool& get() {
+    // never destroyed: its threads outlive static destruction. A forked child has the count of
+    // the parent's helpers but none of them: its jobs run on the calling thread alone.
+    static TilePool* pool = new TilePool();
+    return *pool;
+  }
+
+  // f(me) on the calling thread (me = 0) and on helpers (me = 1 .. threads - 1, those that come
+  // while the job is open); returns when f(0) has returned and no helper is inside f. f(0) alone
+  // must finish the job (run_tiles: the caller takes every tile no helper took).
+  template <typename F>
+  void run(int64_t threads, const F& f) {
+    std::unique_lock<std::mutex> lock(busy_, std::defer_lock);
+    if (inside_ || !lock.try_lock()) {  // nested, or another thread's job running: this thread alone
+      f(int64_t{0});
+      return;
+    }
+    inside_ = true;
+    grow(threads - 1);
+    call_ = [](const void* ctx, int64_t me) { (*static_cast<const F*>(ctx))(me); };
+    ctx_ = &f;
+    participants_ = threads;
+    slot_.store(1, std::memory_order_relaxed);
+    const uint32_t g = gen_.load(std::memory_order_relaxed) + 1;
+    gen_.store(g, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0)
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&gen_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+    f(int64_t{0});
+    closed_.store(g, std::memory_order_seq_cst);
+    // only a helper inside a tile (or about to find none left) is waited for
+    for (int64_t spins = 0; active_.load(std::memory_order_seq_cst) != 0; ++spins) {
+      if (spins < 4096) _mm_pause();
+      else sched_yield();
+    }
+    inside_ = false;
+  }
+
+ private:
+  static constexpr auto kSpin = std::chrono::microseconds(200);
+
+  void grow(int64_t n) {
+    for (; count_ < n; ++count_) std::thread([this] { loop(); }).detach();
+  }
+
+  void loop() {
+    inside_ = true;  // a kernel a helper runs never starts a job of its own
+    uint32_t seen = gen_.load(std::memory_order_acquire);
+    for (;;) {
+      uint32_t g;
+      auto start = std::chrono::steady_clock::now();
+      for (int64_t spins = 0; (g = gen_.load(std::memory_order_acquire)) == seen; ++spins) {
+        _mm_pause();
+        if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start > kSpin) {
+          sleepers_.fetch_add(1, std::memory_order_seq_cst);
+          if (gen_.load(std::memory_order_seq_cst) == seen)
+            syscall(SYS_futex, reinterpret_cast<uint32_t*>(&gen_), FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
+          sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+          start = std::chrono::steady_clock::now();
+        }
+      }
+      seen = g;
+      // counted in before it checks the job is still open: the caller, once it has closed the
+      // job, waits for every helper counted in, and a helper that counts in later sees it closed
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      if (gen_.load(std::memory_order_seq_cst) == g && closed_.load(std::memory_order_seq_cst) != g) {
+        const int64_t me = slot_.fetch_add(1, std::memory_order_relaxed);
+        if (me < participants_) call_(ctx_, me);
+      }
+      active_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  std::mutex busy_;
+  int64_t count_ = 0;  // helpers started
+  void (*call_)(const void*, int64_t) = nullptr;
+  const void* ctx_ = nullptr;
+  int64_t participants_ = 0;
+  std::atomic<int64_t> slot_{0};
+  static inline thread_local bool inside_ = false;
+  alignas(64) std::atomic<uint32_t> gen_{0};     // the job's number, bumped to open one
+  alignas(64) std::atomic<uint32_t> closed_{0};  // the last job closed
+  alignas(64) std::atomic<int32_t> active_{0};   // helpers counted in
+  alignas(64) std::atomic<int32_t> sleepers_{0};
+};
+
 namespace {
 
 // Tiles [0, n) for `threads` threads: one contiguous run of tiles per thread, taken in order
@@ -61,15 +170,30 @@ class TileQueue {
   std::vector<Run> runs_;
 };
 
-// work(me, queue) for each thread `me` of up to n of the team (the calling thread alone when
-// that is one), each taking tiles of [0, n) from the shared queue until none is left.
+// work(me, queue) for each thread `me` of up to n (the calling thread and the pool's helpers;
+// the calling thread alone when that is one), each taking tiles of [0, n) from the shared queue
+// until none is left.
 template <typename Work>
 void run_tiles(int64_t n, const Work& work) {
   if (n <= 0) return;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
   TileQueue queue(n, threads);
   if (threads <= 1) work(int64_t{0}, queue);
-  else at::parallel_for(0, threads, 1, [&](int64_t b, int64_t) { work(b, queue); });
+  else TilePool::get().run(threads, [&](int64_t me) { work(me, queue); });
+}
+
+// at::parallel_for's contract (f(b, e) on disjoint ranges covering [begin, end), each of at least
+// grain unless the range is smaller) on the pool
+template <typename F>
+void parallel_rows(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t threads = at::get_num_threads();
+  if (n <= grain || threads <= 1) { f(begin, end); return; }
+  const int64_t chunks = std::min<int64_t>(threads, (n + grain - 1) / std::max<int64_t>(grain, 1));
+  run_tiles(chunks, [&](int64_t me, TileQueue& q) {
+    for (int64_t t = q.take(me); t >= 0; t = q.take(me)) f(begin + n * t / chunks, begin + n * (t + 1) / chunks);
+  });
 }
 
 }  // namespace

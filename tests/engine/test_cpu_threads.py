@@ -56,8 +56,15 @@ def test_engine_flag_defaults_to_auto_and_rejects_a_bad_list(capsys):
 _CHILD = r"""
 import json, os, sys, torch
 from tessera_engine import cpu_kernels, cpu_threads
-mode = sys.argv[1]
-got = cpu_threads.bind(mode, cpu_kernels.load())
+mode, kernel_at = sys.argv[1], sys.argv[2]
+kernels = cpu_kernels.load()
+def kernel():  # enough rows to run on the kernels' pool (its helper thread starts at the first)
+    kernels.rms_norm(torch.randn(256, 64), torch.ones(64), 1e-5)
+if kernel_at == "before":
+    kernel()
+got = cpu_threads.bind(mode, kernels)
+if kernel_at == "after":
+    kernel()
 x = torch.randn(256, 256)
 for _ in range(20):
     x = torch.tanh(x @ x)  # run the team so its threads exist
@@ -70,8 +77,8 @@ print(json.dumps({"got": got, "threads": torch.get_num_threads(), "tasks": tasks
 """
 
 
-def _child(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, timeout=300,
+def _child(mode: str, kernel_at: str = "none") -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode, kernel_at], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -87,3 +94,16 @@ def test_bind_pins_each_thread_of_the_team_to_its_own_cpu():
     pinned = sorted(v for v in res["tasks"].values() if v in (str(cpus[0]), str(cpus[1])))
     assert pinned == sorted([str(cpus[0]), str(cpus[1])])
     assert _child("off")["got"] is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+@pytest.mark.parametrize("kernel_at", ["before", "after"])
+def test_bind_pins_the_kernels_pool_helper_as_the_teams_second_thread(kernel_at):
+    """The kernels' loops run on a pool of their own (tile_queue.h): its helper goes where the
+    team's second thread goes, whether it started before the binding or after (a helper started
+    by the bound core thread would otherwise share that thread's one CPU)."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    res = _child(f"{cpus[0]},{cpus[1]}", kernel_at)
+    assert res["got"] == cpus and res["main"] == [cpus[0]]
+    pinned = sorted(v for v in res["tasks"].values() if v in (str(cpus[0]), str(cpus[1])))
+    assert pinned == sorted([str(cpus[0]), str(cpus[1]), str(cpus[1])])  # main; team thread and helper

@@ -1,5 +1,6 @@
 // tessera's CPU kernels: the OpenMP team's threads bound to CPUs.
 #include "cpu_kernels.h"
+#include "tile_queue.h"
 
 #include <ATen/Parallel.h>
 
@@ -8,7 +9,8 @@
 namespace tessera {
 
 // Binds the threads of the calling thread's team one to a CPU each: thread i of the team to
-// cpus[i % cpus.size()]. Returns the CPU each thread got (-1 where the call failed).
+// cpus[i % cpus.size()], and the kernels' pool helper i (tile_queue.h) to the same CPU. Returns
+// the CPU each team thread got (-1 where the call failed).
 std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus) {
   const int64_t n = at::get_num_threads();
   std::vector<int64_t> got(n, -1);
@@ -23,6 +25,7 @@ std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus) {
       if (sched_setaffinity(0, sizeof(set), &set) == 0) got[at::get_thread_num()] = cpu;
     }
   });
+  TilePool::get().bind(cpus);
   return got;
 }
 

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -51,6 +52,13 @@ class TilePool {
   // f(me) on the calling thread (me = 0) and on helpers (me = 1 .. threads - 1, those that come
   // while the job is open); returns when f(0) has returned and no helper is inside f. f(0) alone
   // must finish the job (run_tiles: the caller takes every tile no helper took).
+  // Bind helper k to cpus[k % size], as bind_threads binds the OpenMP team's thread k.
+  void bind(const std::vector<int64_t>& cpus) {
+    std::lock_guard<std::mutex> lock(busy_);
+    cpus_ = cpus;
+    for (size_t k = 0; k < handles_.size(); ++k) place(handles_[k], static_cast<int64_t>(k) + 1);
+  }
+
   template <typename F>
   void run(int64_t threads, const F& f) {
     std::unique_lock<std::mutex> lock(busy_, std::defer_lock);
@@ -82,7 +90,22 @@ class TilePool {
   static constexpr auto kSpin = std::chrono::microseconds(200);
 
   void grow(int64_t n) {
-    for (; count_ < n; ++count_) std::thread([this] { loop(); }).detach();
+    for (; count_ < n; ++count_) {
+      std::thread helper([this] { loop(); });
+      place(helper.native_handle(), count_ + 1);
+      handles_.push_back(helper.native_handle());
+      helper.detach();
+    }
+  }
+
+  // helper k (1, 2, ...) on cpus_[k % size] when the team is bound (bind_threads), else on any
+  // CPU the process may use (not only its creator's: the core thread may be bound to one)
+  void place(pthread_t handle, int64_t k) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (!cpus_.empty()) CPU_SET(static_cast<int>(cpus_[k % cpus_.size()]), &set);
+    else if (sched_getaffinity(getpid(), sizeof(set), &set) != 0) return;
+    pthread_setaffinity_np(handle, sizeof(set), &set);
   }
 
   void loop() {
@@ -115,6 +138,8 @@ class TilePool {
 
   std::mutex busy_;
   int64_t count_ = 0;  // helpers started
+  std::vector<pthread_t> handles_;
+  std::vector<int64_t> cpus_;
   void (*call_)(const void*, int64_t) = nullptr;
   const void* ctx_ = nullptr;
   int64_t participants_ = 0;

@@ -46,6 +46,9 @@ import time
 import warnings
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+from tessera_engine import openmp_env  # noqa: E402
+
+openmp_env.apply()  # as the engine service runs: before torch loads libgomp
 
 import torch  # noqa: E402
 

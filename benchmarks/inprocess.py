@@ -78,8 +78,11 @@ def run_inprocess(side: str, prompt_ids: list[list[int]], single_ids: list[int],
     spec.write_text(json.dumps({"model": str(model_dir), "prompts": prompt_ids, "max_tokens": max_tokens,
                                 "single_prompt": single_ids, "single_tokens": single_tokens}))
     if side == "tessera":
+        from tessera_engine import openmp_env
+
         cmd = [sys.executable, __file__, str(spec)]
-        run_env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        # as the engine service runs (its __main__ applies them)
+        run_env = openmp_env.apply({k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")})
     else:
         cmd = vllm_cpu.offline_command(vllm_venv, work, spec)
         run_env = vllm_env

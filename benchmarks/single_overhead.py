@@ -103,9 +103,9 @@ class InProcess:
 
     @classmethod
     def tessera(cls, prompt_ids: list[int], tokens: int) -> "InProcess":
-        from tessera_engine import allocator
+        from tessera_engine import allocator, openmp_env
 
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+        env = openmp_env.apply({k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")})
         lib = allocator.find_tcmalloc()
         if lib:  # as the engine service runs (it re-executes itself with tcmalloc preloaded)
             env["LD_PRELOAD"] = f"{lib}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else lib

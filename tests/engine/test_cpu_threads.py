@@ -107,3 +107,12 @@ def test_bind_pins_the_kernels_pool_helper_as_the_teams_second_thread(kernel_at)
     assert res["got"] == cpus and res["main"] == [cpus[0]]
     pinned = sorted(v for v in res["tasks"].values() if v in (str(cpus[0]), str(cpus[1])))
     assert pinned == sorted([str(cpus[0]), str(cpus[1]), str(cpus[1])])  # main; team thread and helper
+
+
+def test_openmp_settings_are_a_default_the_environment_can_override():
+    """The engine service puts libgomp's spin count in its environment before torch loads it
+    (openmp_env.apply, in its __main__): a default where none is given, the operator's kept."""
+    from tessera_engine import openmp_env
+
+    assert openmp_env.apply({}) == openmp_env.SETTINGS
+    assert openmp_env.apply({"GOMP_SPINCOUNT": "5", "X": "1"}) == {"GOMP_SPINCOUNT": "5", "X": "1"}

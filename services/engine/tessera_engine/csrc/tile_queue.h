@@ -31,8 +31,10 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace tessera {
@@ -76,7 +78,14 @@ class TilePool {
     gen_.store(g, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0)
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&gen_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-    f(int64_t{0});
+    // a kernel's error is raised here, on the caller, once no helper is inside the job (whose
+    // tiles and closure live on this thread's stack)
+    std::exception_ptr error;
+    try {
+      f(int64_t{0});
+    } catch (...) {
+      error = std::current_exception();
+    }
     closed_.store(g, std::memory_order_seq_cst);
     // only a helper inside a tile (or about to find none left) is waited for
     for (int64_t spins = 0; active_.load(std::memory_order_seq_cst) != 0; ++spins) {
@@ -84,6 +93,9 @@ class TilePool {
       else sched_yield();
     }
     inside_ = false;
+    std::exception_ptr helper_error = std::exchange(helper_error_, nullptr);
+    if (error) std::rethrow_exception(error);
+    if (helper_error) std::rethrow_exception(helper_error);
   }
 
  private:
@@ -130,7 +142,14 @@ class TilePool {
       active_.fetch_add(1, std::memory_order_seq_cst);
       if (gen_.load(std::memory_order_seq_cst) == g && closed_.load(std::memory_order_seq_cst) != g) {
         const int64_t me = slot_.fetch_add(1, std::memory_order_relaxed);
-        if (me < participants_) call_(ctx_, me);
+        if (me < participants_) {
+          try {
+            call_(ctx_, me);
+          } catch (...) {
+            std::lock_guard<std::mutex> lock(error_mutex_);
+            if (!helper_error_) helper_error_ = std::current_exception();
+          }
+        }
       }
       active_.fetch_sub(1, std::memory_order_seq_cst);
     }
@@ -139,6 +158,8 @@ class TilePool {
   std::mutex busy_;
   int64_t count_ = 0;  // helpers started
   std::vector<pthread_t> handles_;
+  std::mutex error_mutex_;
+  std::exception_ptr helper_error_;  // a helper's first error in the job, raised by run
   std::vector<int64_t> cpus_;
   void (*call_)(const void*, int64_t) = nullptr;
   const void* ctx_ = nullptr;

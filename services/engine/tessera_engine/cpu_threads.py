@@ -1,7 +1,8 @@
 """Which CPU each of the engine's compute threads runs on (--cpu-threads-bind).
 
-torch's CPU ops and tessera's kernels run on one OpenMP team whose threads wait for each
-other at the end of every parallel region (~280 a decode step), spinning. Served, the
+torch's CPU ops run on its OpenMP team, tessera's kernels on a pool of their own
+(csrc/tile_queue.h) whose helper k is bound with the team's thread k; both spin between
+parallel regions (~280 a decode step). Served, the
 engine shares the cores with the frontend, the tokenizer and the clients; left to float,
 two of the team's threads can land on one core, and each region then waits a scheduler
 time slice for the thread that is not running. One thread per CPU keeps them apart, as

@@ -9,8 +9,8 @@
 // match it to float32 rounding.
 //
 // Built at first use by torch.utils.cpp_extension (tessera_engine/cpu_kernels.py),
-// for the CPU it is built on (-march=native). Parallel over rows with
-// at::parallel_for (torch's own OpenMP team).
+// for the CPU it is built on (-march=native). Parallel over rows and tiles on the
+// kernels' own thread pool (tile_queue.h), not torch's OpenMP team.
 //
 // The kernels are split by family into the .cpp files of this directory, compiled and
 // linked into one extension module (cpu_kernels.py builds every .cpp here):

@@ -6,7 +6,7 @@ The kernels' loops run on a thread pool of their own (csrc/tile_queue.h); torch'
 prompt's attention among them) run on torch's OpenMP team. libgomp's idle threads spin 300,000
 turns after each parallel region by default, long enough to keep the pool's threads off the
 cores through a prompt step: on a 2-core Intel Xeon, steps of 38 and 63 prompt rows took 40-60%
-longer, and 10,000 turns brought them back (benchmarks/README.md).
+longer, and 10,000 turns brought them back.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
 //
 // The kernels' loops all run here, none on OpenMP: two teams would each spin while the other
 // computes (a 64-row step took twice as long with only the matmuls moved). torch's own ops still
-// use its OpenMP team; the engine shortens that team's spin (GOMP_SPINCOUNT, tessera_engine's
-// __main__) so its idle threads leave the cores to this pool's.
+// use its OpenMP team; the engine shortens that team's spin (GOMP_SPINCOUNT: tessera_engine's
+// openmp_env) so its idle threads leave the cores to this pool's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -45,15 +45,12 @@ namespace tessera {
 class TilePool {
  public:
   static TilePool& get() {
-    // never destroyed: its threads outlive static destruction. A forked child has the count of
-    // the parent's helpers but none of them: its jobs run on the calling thread alone.
+    // never destroyed: its threads outlive static destruction. A forked child has the parent's list
+    // of helpers but none of them: its jobs run on the calling thread alone.
     static TilePool* pool = new TilePool();
     return *pool;
   }
 
-  // f(me) on the calling thread (me = 0) and on helpers (me = 1 .. threads - 1, those that come
-  // while the job is open); returns when f(0) has returned and no helper is inside f. f(0) alone
-  // must finish the job (run_tiles: the caller takes every tile no helper took).
   // Bind helper k to cpus[k % size], as bind_threads binds the OpenMP team's thread k.
   void bind(const std::vector<int64_t>& cpus) {
     std::lock_guard<std::mutex> lock(busy_);
@@ -61,6 +58,9 @@ class TilePool {
     for (size_t k = 0; k < handles_.size(); ++k) place(handles_[k], static_cast<int64_t>(k) + 1);
   }
 
+  // f(me) on the calling thread (me = 0) and on helpers (me = 1 .. threads - 1, those that come
+  // while the job is open); returns when f(0) has returned and no helper is inside f. f(0) alone
+  // must finish the job (run_tiles: the caller takes every tile no helper took).
   template <typename F>
   void run(int64_t threads, const F& f) {
     std::unique_lock<std::mutex> lock(busy_, std::defer_lock);
@@ -102,9 +102,9 @@ class TilePool {
   static constexpr auto kSpin = std::chrono::microseconds(200);
 
   void grow(int64_t n) {
-    for (; count_ < n; ++count_) {
+    while (static_cast<int64_t>(handles_.size()) < n) {
       std::thread helper([this] { loop(); });
-      place(helper.native_handle(), count_ + 1);
+      place(helper.native_handle(), static_cast<int64_t>(handles_.size()) + 1);
       handles_.push_back(helper.native_handle());
       helper.detach();
     }
@@ -156,8 +156,7 @@ class TilePool {
   }
 
   std::mutex busy_;
-  int64_t count_ = 0;  // helpers started
-  std::vector<pthread_t> handles_;
+  std::vector<pthread_t> handles_;  // the helpers started
   std::mutex error_mutex_;
   std::exception_ptr helper_error_;  // a helper's first error in the job, raised by run
   std::vector<int64_t> cpus_;
